@@ -1,0 +1,233 @@
+"""Typed run configuration: one class per section, loaded from YAML plus dotted overrides.
+
+Names follow verl where the concept exists there (`data.train_batch_size`, `rollout.n`,
+`actor.clip_ratio_low`, `algorithm.adv_estimator`, `trainer.total_epochs` ...). Every field has a
+default, a bound where one exists and a one-line description; a wrong key, type or value fails at
+load time with one `ConfigError` naming the field.
+"""
+
+from __future__ import annotations
+
+import difflib
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+
+class ConfigError(ValueError):
+    """A configuration problem, with a message that names the field and the fix."""
+
+
+class Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class DataConfig(Section):
+    train_files: list[str] | None = Field(
+        None, description="jsonl/parquet files in verl's schema; None uses the built-in task"
+    )
+    val_files: list[str] | None = Field(
+        None, description="held-out jsonl/parquet files; None uses the built-in task's test split"
+    )
+    prompt_key: str = Field("prompt", description="column holding the prompt (chat messages or text)")
+    answer_key: str = Field(
+        "reward_model.ground_truth",
+        description="dotted column path of the ground truth; plain jsonl may use 'answer'",
+    )
+    train_size: int = Field(2048, ge=1, description="built-in task: number of training problems")
+    val_size: int = Field(200, ge=1, description="built-in task: number of held-out problems")
+    max_prompt_length: int = Field(64, ge=1, description="prompts longer than this are rejected")
+    max_response_length: int = Field(72, ge=1, description="R: most tokens per response")
+    train_batch_size: int = Field(32, ge=1, description="prompts per training step")
+    val_batch_size: int = Field(256, ge=1, description="prompts per evaluation batch")
+    shuffle: bool = Field(True, description="reshuffle the training prompts every epoch")
+
+
+class ModelConfig(Section):
+    path: str | None = Field(
+        None,
+        description="local Hugging Face causal LM directory; None builds/uses the built-in tiny policy",
+    )
+    dtype: Literal["float32", "bfloat16", "float16"] = Field(
+        "float32", description="parameter dtype of policy and engine"
+    )
+
+
+class RolloutConfig(Section):
+    name: Literal["hf"] = Field("hf", description="rollout engine: hf (transformers)")
+    n: int = Field(8, ge=1, description="slots: responses sampled per prompt")
+    temperature: float = Field(1.0, ge=0.0, description="sampling temperature; 0 is greedy")
+    top_p: float = Field(1.0, gt=0.0, le=1.0, description="nucleus sampling mass")
+    top_k: int = Field(0, ge=0, description="keep the k most likely tokens; 0 disables")
+    max_batch_size: int = Field(512, ge=1, description="most sequences decoded at once")
+
+
+class OptimConfig(Section):
+    lr: float = Field(1e-4, gt=0.0, description="AdamW learning rate")
+    weight_decay: float = Field(0.0, ge=0.0, description="AdamW weight decay")
+    betas: tuple[float, float] = Field((0.9, 0.99), description="AdamW betas")
+    lr_warmup_steps: int = Field(5, ge=0, description="linear warmup steps, then constant")
+
+
+class ActorConfig(Section):
+    ppo_mini_batch_size: int = Field(16, ge=1, description="prompts per optimizer step")
+    ppo_micro_batch_size: int = Field(64, ge=1, description="sequences per forward/backward")
+    ppo_epochs: int = Field(1, ge=1, description="passes over each step's rollouts")
+    clip_ratio_low: float = Field(0.2, ge=0.0, le=1.0, description="PPO clip below 1")
+    clip_ratio_high: float = Field(0.28, ge=0.0, description="PPO clip above 1 (DAPO clip-higher)")
+    clip_ratio_c: float = Field(3.0, gt=1.0, description="dual-clip bound for negative advantages")
+    loss_agg_mode: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"] = Field(
+        "token-mean", description="how token losses are averaged"
+    )
+    use_kl_loss: bool = Field(False, description="add a KL loss to the frozen reference policy")
+    kl_loss_coef: float = Field(0.001, ge=0.0, description="weight of the KL loss")
+    kl_loss_type: Literal["k1", "k2", "low_var_kl"] = Field("low_var_kl", description="KL estimator")
+    entropy_coeff: float = Field(0.0, ge=0.0, description="entropy bonus weight")
+    grad_clip: float = Field(1.0, gt=0.0, description="max global gradient norm")
+    optim: OptimConfig = Field(default_factory=OptimConfig)
+
+
+class FilterGroupsConfig(Section):
+    enable: bool = Field(False, description="DAPO dynamic sampling: drop groups with equal scores")
+    max_num_gen_batches: int = Field(
+        4, ge=1, description="most rollout batches per step while refilling dropped groups"
+    )
+
+
+class AlgorithmConfig(Section):
+    adv_estimator: Literal["grpo", "rloo"] = Field("grpo", description="advantage estimator")
+    norm_adv_by_std_in_grpo: bool = Field(
+        True, description="divide by the group's std; false gives Dr.GRPO"
+    )
+    filter_groups: FilterGroupsConfig = Field(default_factory=FilterGroupsConfig)
+
+
+class OverlongBufferConfig(Section):
+    enable: bool = Field(False, description="DAPO soft overlong penalty")
+    len: int = Field(16, ge=1, description="penalty ramps over the last `len` tokens of R")
+    penalty_factor: float = Field(1.0, ge=0.0, description="penalty at the full length")
+
+
+class RewardModelConfig(Section):
+    overlong_buffer: OverlongBufferConfig = Field(default_factory=OverlongBufferConfig)
+    timeout_s: float = Field(10.0, gt=0.0, description="per-response reward function timeout")
+
+
+class CustomRewardConfig(Section):
+    path: str | None = Field(None, description="python file holding the reward function")
+    name: str = Field("compute_score", description="function name in that file")
+
+
+class TrainerConfig(Section):
+    project_name: str = Field("specrl", description="project name")
+    experiment_name: str = Field("quickstart", description="run name")
+    output_dir: str | None = Field(None, description="run directory; default runs/<experiment_name>")
+    total_epochs: int = Field(3, ge=1, description="passes over the training prompts")
+    total_training_steps: int | None = Field(
+        None, ge=1, description="stop after this many steps (None: total_epochs decides)"
+    )
+    test_freq: int = Field(16, ge=0, description="evaluate every this many steps; 0 disables")
+    val_before_train: bool = Field(True, description="evaluate before the first step")
+    save_freq: int = Field(0, ge=0, description="checkpoint every this many steps; 0 only at the end")
+    seed: int = Field(1, ge=0, description="seed of data order, sampling and initialisation")
+    num_threads: int | None = Field(None, ge=1, description="torch CPU threads; None: all cores")
+    logger: list[Literal["console", "jsonl"]] = Field(
+        ["console", "jsonl"], description="where metrics go"
+    )
+
+    @property
+    def run_dir(self) -> Path:
+        return Path(self.output_dir or f"runs/{self.experiment_name}")
+
+
+class Config(Section):
+    data: DataConfig = Field(default_factory=DataConfig)
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    rollout: RolloutConfig = Field(default_factory=RolloutConfig)
+    actor: ActorConfig = Field(default_factory=ActorConfig)
+    algorithm: AlgorithmConfig = Field(default_factory=AlgorithmConfig)
+    reward_model: RewardModelConfig = Field(default_factory=RewardModelConfig)
+    custom_reward_function: CustomRewardConfig = Field(default_factory=CustomRewardConfig)
+    trainer: TrainerConfig = Field(default_factory=TrainerConfig)
+
+    @model_validator(mode="after")
+    def _check_batch_sizes(self) -> Config:
+        if self.actor.ppo_mini_batch_size > self.data.train_batch_size:
+            raise ValueError(
+                f"actor.ppo_mini_batch_size ({self.actor.ppo_mini_batch_size}) must not exceed "
+                f"data.train_batch_size ({self.data.train_batch_size})"
+            )
+        return self
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Config:
+    """Defaults, then the YAML file, then `key=value` overrides (values parsed as YAML)."""
+    raw: dict[str, Any] = {}
+    if path is not None:
+        raw = _read_yaml(Path(path))
+    for item in overrides:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise ConfigError(f"override {item!r} is not of the form key=value (e.g. rollout.n=4)")
+        _set_dotted(raw, key.strip(), yaml.safe_load(value) if value.strip() else None)
+    try:
+        return Config.model_validate(raw)
+    except ValidationError as err:
+        raise ConfigError(_describe(err.errors()[0])) from None
+
+
+def save_config(cfg: Config, path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))
+
+
+def _read_yaml(path: Path) -> dict[str, Any]:
+    if not path.is_file():
+        raise ConfigError(f"config file {path} does not exist")
+    try:
+        raw = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as err:
+        raise ConfigError(f"config file {path} is not valid YAML: {err}") from None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"config file {path} must hold a mapping of sections, not {type(raw).__name__}")
+    return raw
+
+
+def _set_dotted(raw: dict[str, Any], key: str, value: Any) -> None:
+    *parents, leaf = key.split(".")
+    node = raw
+    for i, part in enumerate(parents):
+        child = node.setdefault(part, {})
+        if not isinstance(child, dict):
+            raise ConfigError(f"cannot set {key}: {'.'.join(parents[: i + 1])} is not a section")
+        node = child
+    node[leaf] = value
+
+
+def _describe(error: dict[str, Any]) -> str:
+    loc = [str(p) for p in error["loc"]]
+    key = ".".join(loc) or "config"
+    if error["type"] == "extra_forbidden":
+        return f"unknown config key {key!r}{_suggestion(loc)}"
+    if error["type"] == "value_error":
+        return f"invalid config: {str(error['msg']).removeprefix('Value error, ')}"
+    value = error.get("input")
+    return f"invalid value for {key}: {value!r} ({error['msg'].lower()})"
+
+
+def _suggestion(loc: list[str]) -> str:
+    """' (did you mean ...?)' for the closest valid key of the section that holds `loc[-1]`."""
+    model: type[BaseModel] = Config
+    for part in loc[:-1]:
+        field = model.model_fields.get(part)
+        if field is None or not isinstance(field.annotation, type) or not issubclass(field.annotation, BaseModel):
+            return ""
+        model = field.annotation
+    valid = list(model.model_fields)
+    match = difflib.get_close_matches(loc[-1], valid, n=1)
+    prefix = ".".join(loc[:-1])
+    if match:
+        return f" (did you mean {'.'.join([*loc[:-1], match[0]])!r}?)"
+    return f"; valid keys{' of ' + prefix if prefix else ''}: {', '.join(valid)}"

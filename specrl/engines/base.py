@@ -1,0 +1,65 @@
+"""The rollout engine protocol and the request/result shapes every engine speaks."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Literal, Protocol
+
+import torch
+
+FinishReason = Literal["stop", "length"]
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """The distribution tokens are drawn from: softmax(logits / temperature), then top-k, then
+    top-p, each renormalised. `temperature == 0` is greedy (a point mass on the argmax)."""
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+GREEDY = SamplingParams(temperature=0.0)
+
+
+@dataclass(frozen=True)
+class GenRequest:
+    """Decode after `prompt_ids + prefix_ids` (the forced prefix is context, not output)."""
+
+    prompt_ids: Sequence[int]
+    max_new_tokens: int
+    sampling: SamplingParams = SamplingParams()
+    seed: int = 0
+    prefix_ids: Sequence[int] = ()
+
+
+@dataclass
+class GenResult:
+    token_ids: list[int]
+    logprobs: list[float]  # behaviour logprob of each new token
+    finish_reason: FinishReason
+
+
+@dataclass(frozen=True)
+class ScoreRequest:
+    """Logprob of each target token given `context_ids` and the targets before it."""
+
+    context_ids: Sequence[int]
+    target_ids: Sequence[int]
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+
+
+class RolloutEngine(Protocol):
+    eos_token_ids: frozenset[int]
+
+    def generate(self, requests: Sequence[GenRequest]) -> list[GenResult]: ...
+
+    def score(self, requests: Sequence[ScoreRequest]) -> list[torch.Tensor]: ...
+
+    def load_weights(self, state: Mapping[str, torch.Tensor]) -> None: ...

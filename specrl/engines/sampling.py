@@ -1,0 +1,76 @@
+"""The sampling distribution and a counter-based sampler, shared by `generate` and `score`.
+
+`sampling_logprobs` turns raw logits into the log-probabilities of the distribution tokens are
+actually drawn from (temperature, then top-k, then top-p, each renormalised), so behaviour
+logprobs from `generate` and logprobs from `score` are the same computation.
+
+Randomness is counter-based: the uniform for a token is a hash of (request seed, position in the
+sequence). A request's sample therefore does not depend on which other requests share its batch
+or on how many sequences left the batch before it, and re-decoding from a cut reproduces nothing
+it should not (the caller chooses fresh seeds per step).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from specrl.engines.base import SamplingParams
+
+_MASK32 = 0xFFFFFFFF
+
+
+def sampling_logprobs(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
+    """logits [B, V], one SamplingParams per row → logprobs [B, V] (-inf outside the support)."""
+    logits = logits.float()
+    temperature = torch.tensor([p.temperature for p in params], device=logits.device)
+    greedy = temperature == 0
+    scaled = logits / torch.where(greedy, 1.0, temperature)[:, None]
+    top_k = torch.tensor([p.top_k for p in params], device=logits.device)
+    top_p = torch.tensor([p.top_p for p in params], device=logits.device)
+    if bool((top_k > 0).any() or (top_p < 1).any()):
+        scaled = _truncate(scaled, top_k, top_p)
+    logprobs = scaled.log_softmax(-1)  # [B, V]
+    if bool(greedy.any()):
+        point_mass = torch.full_like(logprobs, float("-inf"))
+        point_mass.scatter_(1, logits.argmax(-1, keepdim=True), 0.0)
+        logprobs = torch.where(greedy[:, None], point_mass, logprobs)
+    return logprobs
+
+
+def _truncate(scaled: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Mask tokens outside each row's top-k, then outside the top-p mass of what is left."""
+    sorted_logits, order = scaled.sort(-1, descending=True)  # [B, V]
+    rank = torch.arange(scaled.shape[-1], device=scaled.device)[None, :]
+    drop = (top_k[:, None] > 0) & (rank >= top_k[:, None])
+    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+    probs = sorted_logits.softmax(-1)
+    mass_before = probs.cumsum(-1) - probs  # keep a token while the mass above it is < top_p
+    drop = drop | (mass_before >= top_p[:, None])
+    drop[:, 0] = False
+    mask = torch.zeros_like(drop).scatter(1, order, drop)
+    return scaled.masked_fill(mask, float("-inf"))
+
+
+def seeded_uniform(seeds: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """A uniform in (0, 1) per row, a deterministic hash of (seed, position). seeds, positions [B]
+    int64 → [B] float64. Two rounds of a 32-bit integer finaliser keep every product below 2^63."""
+    x = (seeds & _MASK32) ^ ((seeds >> 32) * 0x27D4EB2F & _MASK32)
+    x = _mix32((x * 0x9E3779B1 & _MASK32) ^ (positions & _MASK32))
+    x = _mix32(x ^ 0x5BD1E995)
+    return (x.double() + 0.5) / 2.0**32
+
+
+def _mix32(x: torch.Tensor) -> torch.Tensor:
+    x = ((x >> 16) ^ x) * 0x45D9F3B & _MASK32
+    x = ((x >> 16) ^ x) * 0x45D9F3B & _MASK32
+    return (x >> 16) ^ x
+
+
+def sample_from_logprobs(logprobs: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
+    """Inverse-CDF sampling: logprobs [B, V], uniform [B] → token ids [B]."""
+    cdf = logprobs.double().exp().cumsum(-1)  # [B, V]
+    target = (uniform * cdf[:, -1])[:, None]
+    tokens = torch.searchsorted(cdf, target).squeeze(-1)
+    return tokens.clamp_(max=logprobs.shape[-1] - 1)

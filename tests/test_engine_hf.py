@@ -1,0 +1,117 @@
+import pytest
+import torch
+from scipy.stats import chisquare
+
+from specrl.engines import GREEDY, GenRequest, SamplingParams, ScoreRequest
+from specrl.engines.hf import HFEngine
+from specrl.engines.sampling import sampling_logprobs, seeded_uniform
+from tests.conftest import EOS, PAD, make_tiny_model
+
+PROMPTS = [[3, 4, 5], [6, 7], [2, 3, 4, 5, 6, 7], [8]]
+
+
+def _greedy_without_cache(model, prompt: list[int], steps: int) -> list[int]:
+    seq = list(prompt)
+    for _ in range(steps):
+        logits = model(input_ids=torch.tensor([seq])).logits[0, -1]
+        seq.append(int(logits.argmax()))
+        if seq[-1] == EOS:
+            break
+    return seq[len(prompt) :]
+
+
+def test_greedy_equals_stepwise_argmax_of_full_forward(engine, tiny_model):
+    results = engine.generate([GenRequest(p, 12, GREEDY) for p in PROMPTS])
+    with torch.no_grad():
+        for prompt, result in zip(PROMPTS, results, strict=True):
+            assert result.token_ids == _greedy_without_cache(tiny_model, prompt, 12)
+            assert result.finish_reason == ("stop" if result.token_ids[-1] == EOS else "length")
+
+
+@pytest.mark.parametrize(
+    "sampling",
+    [SamplingParams(1.0), SamplingParams(0.7, top_p=0.8), SamplingParams(1.3, top_k=4)],
+    ids=["plain", "top_p", "top_k"],
+)
+def test_generate_logprobs_equal_score(engine, sampling):
+    requests = [GenRequest(p, 10, sampling, seed=i) for i, p in enumerate(PROMPTS)]
+    results = engine.generate(requests)
+    scores = engine.score([ScoreRequest(p, r.token_ids, sampling) for p, r in zip(PROMPTS, results, strict=True)])
+    for result, scored in zip(results, scores, strict=True):
+        assert len(result.logprobs) == len(scored) > 0
+        assert torch.allclose(torch.tensor(result.logprobs), scored, atol=1e-4)
+
+
+def test_forced_prefix_is_context_and_continues_greedy(engine):
+    full = engine.generate([GenRequest(PROMPTS[2], 10, GREEDY)])[0].token_ids
+    cut = 4
+    rest = engine.generate([GenRequest(PROMPTS[2], 10 - cut, GREEDY, prefix_ids=full[:cut])])[0]
+    assert rest.token_ids == full[cut:]
+
+
+def test_sample_does_not_depend_on_batch_composition(engine):
+    alone = engine.generate([GenRequest(PROMPTS[0], 10, seed=7)])[0]
+    batched = engine.generate([GenRequest(p, 10, seed=7 + i) for i, p in enumerate(PROMPTS)])[0]
+    assert alone.token_ids == batched.token_ids
+
+
+def test_finished_sequences_leave_the_batch(engine, tiny_model):
+    batch_sizes = []
+    hook = tiny_model.model.register_forward_hook(lambda m, args, kwargs, out: batch_sizes.append(kwargs["input_ids"].shape[0]), with_kwargs=True)
+    engine.eos_token_ids = frozenset()  # budgets alone decide when each sequence ends
+    engine.generate([GenRequest([3, 4], 2, seed=1), GenRequest([5, 6], 5, seed=2), GenRequest([7], 0)])
+    hook.remove()
+    # prefill with the two live requests, one more step for both, then only the longer one
+    assert batch_sizes == [2, 2, 1, 1, 1]
+
+
+def test_budget_and_eos_finish_reasons(engine):
+    engine.eos_token_ids = frozenset(range(12))  # every token is a stop token
+    result = engine.generate([GenRequest([3], 5, seed=0)])[0]
+    assert len(result.token_ids) == 1 and result.finish_reason == "stop"
+    engine.eos_token_ids = frozenset()
+    result = engine.generate([GenRequest([3], 5, seed=0)])[0]
+    assert len(result.token_ids) == 5 and result.finish_reason == "length"
+
+
+@pytest.mark.parametrize(
+    "sampling",
+    [SamplingParams(1.0), SamplingParams(0.6), SamplingParams(1.0, top_p=0.7), SamplingParams(1.0, top_k=3)],
+    ids=["t1", "t0.6", "top_p0.7", "top_k3"],
+)
+def test_sampled_frequencies_match_the_sampling_distribution(sampling):
+    """20k first tokens from 20k seeds against softmax(logits / T) truncated and renormalised."""
+    model = make_tiny_model(seed=3, vocab_size=8, init=0.15)
+    engine = HFEngine(model, eos_token_ids=[EOS], pad_token_id=PAD, max_batch_size=20_000)
+    prompt = [2, 5, 3]
+    n = 20_000
+    results = engine.generate([GenRequest(prompt, 1, sampling, seed=s) for s in range(n)])
+    counts = torch.bincount(torch.tensor([r.token_ids[0] for r in results]), minlength=8).double()
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor([prompt])).logits[0, -1]
+    probs = sampling_logprobs(logits[None], [sampling])[0].double().exp()
+    support = probs > 0
+    assert counts[~support].sum() == 0, "sampled a token outside the top-k / top-p support"
+    expected = probs[support] / probs[support].sum() * n
+    assert expected.min() > 5  # chi-square validity
+    # a correct sampler fails this with probability 1e-4
+    assert chisquare(counts[support].numpy(), expected.numpy()).pvalue > 1e-4
+
+
+def test_seeded_uniform_is_uniform_and_decorrelated():
+    seeds = torch.arange(50_000)
+    u = seeded_uniform(seeds, torch.full_like(seeds, 3))
+    assert 0 < u.min() and u.max() < 1
+    counts = torch.histc(u.float(), bins=20, min=0, max=1)
+    assert chisquare(counts.numpy()).pvalue > 1e-4
+    v = seeded_uniform(seeds, torch.full_like(seeds, 4))
+    assert abs(torch.corrcoef(torch.stack([u, v]))[0, 1]) < 0.03
+
+
+def test_top_p_keeps_the_smallest_set_reaching_p():
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
+    probs = sampling_logprobs(logits, [SamplingParams(1.0, top_p=0.75)]).exp()
+    # 0.5 alone < 0.75, 0.5 + 0.3 ≥ 0.75: keep two tokens, renormalised
+    torch.testing.assert_close(probs, torch.tensor([[0.625, 0.375, 0.0, 0.0]]))
+    probs = sampling_logprobs(logits, [SamplingParams(1.0, top_k=3)]).exp()
+    torch.testing.assert_close(probs, torch.tensor([[0.5, 0.3, 0.15, 0.0]]) / 0.95)
