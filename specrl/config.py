@@ -15,8 +15,10 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from specrl.errors import UserError
 
-class ConfigError(ValueError):
+
+class ConfigError(UserError):
     """A configuration problem, with a message that names the field and the fix."""
 
 
@@ -31,12 +33,14 @@ class DataConfig(Section):
     val_files: list[str] | None = Field(
         None, description="held-out jsonl/parquet files; None uses the built-in task's test split"
     )
-    prompt_key: str = Field("prompt", description="column holding the prompt (chat messages or text)")
+    prompt_key: str = Field(
+        "prompt", description="column holding the prompt (chat messages or text)"
+    )
     answer_key: str = Field(
         "reward_model.ground_truth",
         description="dotted column path of the ground truth; plain jsonl may use 'answer'",
     )
-    train_size: int = Field(2048, ge=1, description="built-in task: number of training problems")
+    train_size: int = Field(1024, ge=1, description="built-in task: number of training problems")
     val_size: int = Field(200, ge=1, description="built-in task: number of held-out problems")
     max_prompt_length: int = Field(64, ge=1, description="prompts longer than this are rejected")
     max_response_length: int = Field(72, ge=1, description="R: most tokens per response")
@@ -83,7 +87,9 @@ class ActorConfig(Section):
     )
     use_kl_loss: bool = Field(False, description="add a KL loss to the frozen reference policy")
     kl_loss_coef: float = Field(0.001, ge=0.0, description="weight of the KL loss")
-    kl_loss_type: Literal["k1", "k2", "low_var_kl"] = Field("low_var_kl", description="KL estimator")
+    kl_loss_type: Literal["k1", "k2", "low_var_kl"] = Field(
+        "low_var_kl", description="KL estimator"
+    )
     entropy_coeff: float = Field(0.0, ge=0.0, description="entropy bonus weight")
     grad_clip: float = Field(1.0, gt=0.0, description="max global gradient norm")
     optim: OptimConfig = Field(default_factory=OptimConfig)
@@ -123,14 +129,18 @@ class CustomRewardConfig(Section):
 class TrainerConfig(Section):
     project_name: str = Field("specrl", description="project name")
     experiment_name: str = Field("quickstart", description="run name")
-    output_dir: str | None = Field(None, description="run directory; default runs/<experiment_name>")
-    total_epochs: int = Field(3, ge=1, description="passes over the training prompts")
+    output_dir: str | None = Field(
+        None, description="run directory; default runs/<experiment_name>"
+    )
+    total_epochs: int = Field(4, ge=1, description="passes over the training prompts")
     total_training_steps: int | None = Field(
         None, ge=1, description="stop after this many steps (None: total_epochs decides)"
     )
     test_freq: int = Field(16, ge=0, description="evaluate every this many steps; 0 disables")
     val_before_train: bool = Field(True, description="evaluate before the first step")
-    save_freq: int = Field(0, ge=0, description="checkpoint every this many steps; 0 only at the end")
+    save_freq: int = Field(
+        0, ge=0, description="checkpoint every this many steps; 0 only at the end"
+    )
     seed: int = Field(1, ge=0, description="seed of data order, sampling and initialisation")
     num_threads: int | None = Field(None, ge=1, description="torch CPU threads; None: all cores")
     logger: list[Literal["console", "jsonl"]] = Field(
@@ -191,7 +201,9 @@ def _read_yaml(path: Path) -> dict[str, Any]:
     except yaml.YAMLError as err:
         raise ConfigError(f"config file {path} is not valid YAML: {err}") from None
     if not isinstance(raw, dict):
-        raise ConfigError(f"config file {path} must hold a mapping of sections, not {type(raw).__name__}")
+        raise ConfigError(
+            f"config file {path} must hold a mapping of sections, not {type(raw).__name__}"
+        )
     return raw
 
 
@@ -222,7 +234,11 @@ def _suggestion(loc: list[str]) -> str:
     model: type[BaseModel] = Config
     for part in loc[:-1]:
         field = model.model_fields.get(part)
-        if field is None or not isinstance(field.annotation, type) or not issubclass(field.annotation, BaseModel):
+        if (
+            field is None
+            or not isinstance(field.annotation, type)
+            or not issubclass(field.annotation, BaseModel)
+        ):
             return ""
         model = field.annotation
     valid = list(model.model_fields)

@@ -31,7 +31,7 @@ class ToyPolicySpec:
     hidden_size: int = 128
     num_layers: int = 4
     num_heads: int = 4
-    sft_steps: int = 800
+    sft_steps: int = 600
     sft_batch_size: int = 64
     sft_lr: float = 3e-3
     p_forget_carry: float = 0.6
@@ -52,7 +52,9 @@ def toy_policy_path(spec: ToyPolicySpec = ToyPolicySpec()) -> Path:
     return cache_root() / f"toy-policy-{spec.key()}"
 
 
-def ensure_toy_policy(spec: ToyPolicySpec = ToyPolicySpec(), force: bool = False, log=print) -> Path:
+def ensure_toy_policy(
+    spec: ToyPolicySpec = ToyPolicySpec(), force: bool = False, log=print
+) -> Path:
     """Return the cached policy directory, building it first when missing (or when `force`)."""
     path = toy_policy_path(spec)
     if (path / "build.json").is_file() and not force:
@@ -63,7 +65,9 @@ def ensure_toy_policy(spec: ToyPolicySpec = ToyPolicySpec(), force: bool = False
     report = build_toy_policy(staging, spec, log)
     shutil.rmtree(path, ignore_errors=True)
     staging.rename(path)
-    log(f"built: held-out greedy accuracy {report['val_acc']:.1%}, mean response length {report['mean_response_length']:.1f} tokens")
+    log(
+        f"built: held-out greedy accuracy {report['val_acc']:.1%}, mean response length {report['mean_response_length']:.1f} tokens"
+    )
     return path
 
 
@@ -73,7 +77,9 @@ def build_tokenizer() -> PreTrainedTokenizerFast:
     core = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     core.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
     core.decoder = decoders.Fuse()
-    return PreTrainedTokenizerFast(tokenizer_object=core, pad_token="<pad>", eos_token="<eos>", unk_token="<unk>")
+    return PreTrainedTokenizerFast(
+        tokenizer_object=core, pad_token="<pad>", eos_token="<eos>", unk_token="<unk>"
+    )
 
 
 def build_toy_policy(out: Path, spec: ToyPolicySpec, log=print) -> dict:
@@ -108,13 +114,17 @@ def build_toy_policy(out: Path, spec: ToyPolicySpec, log=print) -> dict:
     return report
 
 
-def _supervised_warm_start(model: Qwen2ForCausalLM, tokenizer: PreTrainedTokenizerFast, spec: ToyPolicySpec, log) -> None:
+def _supervised_warm_start(
+    model: Qwen2ForCausalLM, tokenizer: PreTrainedTokenizerFast, spec: ToyPolicySpec, log
+) -> None:
     """Next-token loss on response tokens of imperfect traces for random training problems."""
     rng = random.Random(f"toy-policy-sft-{spec.seed}")
     _, held_out = arithmetic.make_split(0, 0, 1000, spec.min_digits, spec.max_digits)
     held_out_set = set(held_out)
     optimizer = torch.optim.AdamW(model.parameters(), lr=spec.sft_lr, weight_decay=0.0)
-    schedule = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=spec.sft_lr, total_steps=spec.sft_steps, pct_start=0.1)
+    schedule = torch.optim.lr_scheduler.OneCycleLR(
+        optimizer, max_lr=spec.sft_lr, total_steps=spec.sft_steps, pct_start=0.1
+    )
     model.train()
     for step in range(spec.sft_steps):
         sequences, masks = [], []
@@ -123,15 +133,23 @@ def _supervised_warm_start(model: Qwen2ForCausalLM, tokenizer: PreTrainedTokeniz
             if problem in held_out_set:
                 continue
             prompt = tokenizer.encode(problem.prompt)
-            response = tokenizer.encode(arithmetic.solution_trace(problem, rng, spec.p_forget_carry))
+            response = tokenizer.encode(
+                arithmetic.solution_trace(problem, rng, spec.p_forget_carry)
+            )
             response.append(tokenizer.eos_token_id)
             sequences.append(prompt + response)
             masks.append([0] * len(prompt) + [1] * len(response))
         width = max(map(len, sequences))
-        ids = torch.tensor([s + [tokenizer.pad_token_id] * (width - len(s)) for s in sequences])  # [B, T]
-        mask = torch.tensor([m + [0] * (width - len(m)) for m in masks], dtype=torch.float32)  # [B, T]
+        ids = torch.tensor(
+            [s + [tokenizer.pad_token_id] * (width - len(s)) for s in sequences]
+        )  # [B, T]
+        mask = torch.tensor(
+            [m + [0] * (width - len(m)) for m in masks], dtype=torch.float32
+        )  # [B, T]
         logits = model(input_ids=ids).logits[:, :-1]  # [B, T-1, V]
-        token_loss = torch.nn.functional.cross_entropy(logits.transpose(1, 2), ids[:, 1:], reduction="none")
+        token_loss = torch.nn.functional.cross_entropy(
+            logits.transpose(1, 2), ids[:, 1:], reduction="none"
+        )
         loss = (token_loss * mask[:, 1:]).sum() / mask[:, 1:].sum()
         optimizer.zero_grad()
         loss.backward()
@@ -143,7 +161,12 @@ def _supervised_warm_start(model: Qwen2ForCausalLM, tokenizer: PreTrainedTokeniz
     model.eval()
 
 
-def evaluate_toy_policy(model: Qwen2ForCausalLM, tokenizer: PreTrainedTokenizerFast, spec: ToyPolicySpec, size: int = 200) -> dict:
+def evaluate_toy_policy(
+    model: Qwen2ForCausalLM,
+    tokenizer: PreTrainedTokenizerFast,
+    spec: ToyPolicySpec,
+    size: int = 200,
+) -> dict:
     """Greedy accuracy and response length on held-out problems, and how varied samples are."""
     engine = HFEngine(model, [tokenizer.eos_token_id], tokenizer.pad_token_id)
     _, held_out = arithmetic.make_split(0, 0, size, spec.min_digits, spec.max_digits)
@@ -152,7 +175,10 @@ def evaluate_toy_policy(model: Qwen2ForCausalLM, tokenizer: PreTrainedTokenizerF
     texts = [tokenizer.decode(r.token_ids, skip_special_tokens=True) for r in greedy]
     sampled = engine.generate([GenRequest(prompts[0], 80, seed=s) for s in range(16)])
     return {
-        "val_acc": sum(arithmetic.compute_score("", t, p.answer) for t, p in zip(texts, held_out, strict=True)) / size,
+        "val_acc": sum(
+            arithmetic.compute_score("", t, p.answer) for t, p in zip(texts, held_out, strict=True)
+        )
+        / size,
         "mean_response_length": sum(len(r.token_ids) for r in greedy) / size,
         "distinct_samples_of_16": len({tuple(r.token_ids) for r in sampled}),
     }

@@ -13,7 +13,9 @@ import torch
 AdvEstimator = Literal["grpo", "rloo"]
 
 
-def grpo_advantages(scores: torch.Tensor, norm_by_std: bool = True, eps: float = 1e-6) -> torch.Tensor:
+def grpo_advantages(
+    scores: torch.Tensor, norm_by_std: bool = True, eps: float = 1e-6
+) -> torch.Tensor:
     """GRPO (arXiv 2402.03300): score minus the group mean, divided by the group std when
     `norm_by_std`; without it this is Dr.GRPO (arXiv 2503.20783), which drops the std to avoid
     favouring groups with low variance. scores [G, n] → advantages [G, n]."""

@@ -15,7 +15,9 @@ def masked_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return (values * mask).sum() / mask.sum().clamp(min=1)
 
 
-def agg_loss(loss_mat: torch.Tensor, mask: torch.Tensor, mode: LossAggMode, horizon: int | None = None) -> torch.Tensor:
+def agg_loss(
+    loss_mat: torch.Tensor, mask: torch.Tensor, mode: LossAggMode, horizon: int | None = None
+) -> torch.Tensor:
     """Average a [B, T] token loss to a scalar.
 
     token-mean: over all response tokens of the batch (DAPO, arXiv 2503.14476);
@@ -71,7 +73,9 @@ def ppo_clip_loss(
     return PolicyLossOutputs(
         loss=agg_loss(token_loss, mask_f, cfg.loss_agg_mode, cfg.horizon),
         pg_clipfrac=masked_mean((clipped > unclipped).to(mask_f.dtype), mask_f).detach(),
-        pg_clipfrac_lower=masked_mean(((clip_loss > dual_bound) & (advantages < 0)).to(mask_f.dtype), mask_f).detach(),
+        pg_clipfrac_lower=masked_mean(
+            ((clip_loss > dual_bound) & (advantages < 0)).to(mask_f.dtype), mask_f
+        ).detach(),
         ppo_kl=masked_mean(-log_ratio, mask_f).detach(),
     )
 

@@ -1,0 +1,116 @@
+"""Datasets: the built-in task or jsonl/parquet files in verl's schema, tokenized into Prompts,
+and the seeded loader that walks them epoch by epoch."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Sequence
+from typing import Any
+
+from transformers import PreTrainedTokenizerBase
+
+from specrl.config import DataConfig
+from specrl.data import arithmetic
+from specrl.data.files import DataError, read_examples
+from specrl.types import Example, Prompt
+
+__all__ = ["DataError", "PromptLoader", "encode_prompt", "load_prompts", "prompt_text"]
+
+
+def load_prompts(
+    cfg: DataConfig, tokenizer: PreTrainedTokenizerBase, seed: int
+) -> tuple[list[Prompt], list[Prompt]]:
+    """→ (train, val) prompts. Without files, the built-in task split for `seed`."""
+    if cfg.train_files is None:
+        train_problems, val_problems = arithmetic.make_split(seed, cfg.train_size, cfg.val_size)
+        train_examples = [p.example() for p in train_problems]
+        val_examples = [p.example() for p in val_problems]
+    else:
+        train_examples = read_examples(cfg.train_files, cfg.prompt_key, cfg.answer_key)
+        if cfg.val_files is None:
+            raise DataError("data.val_files is required when data.train_files is set")
+        val_examples = read_examples(cfg.val_files, cfg.prompt_key, cfg.answer_key)
+    return _tokenize(train_examples, tokenizer, cfg, "train"), _tokenize(
+        val_examples, tokenizer, cfg, "val"
+    )
+
+
+def prompt_text(example: Example, tokenizer: PreTrainedTokenizerBase) -> str:
+    """The prompt as the model sees it: chat messages through the tokenizer's chat template when
+    it has one, else their contents joined by newlines; plain text as is."""
+    if isinstance(example.prompt, str):
+        return example.prompt
+    if tokenizer.chat_template:
+        return tokenizer.apply_chat_template(
+            example.prompt, add_generation_prompt=True, tokenize=False
+        )
+    return "\n".join(m["content"] for m in example.prompt)
+
+
+def encode_prompt(example: Example, tokenizer: PreTrainedTokenizerBase) -> Prompt:
+    # a chat template writes its own special tokens; plain text gets the tokenizer's (e.g. BOS)
+    templated = not isinstance(example.prompt, str) and bool(tokenizer.chat_template)
+    ids = tokenizer(prompt_text(example, tokenizer), add_special_tokens=not templated)["input_ids"]
+    return Prompt(tuple(ids), example)
+
+
+def _tokenize(
+    examples: Sequence[Example], tokenizer: PreTrainedTokenizerBase, cfg: DataConfig, split: str
+) -> list[Prompt]:
+    prompts = [encode_prompt(e, tokenizer) for e in examples]
+    too_long = sum(len(p.ids) > cfg.max_prompt_length for p in prompts)
+    if too_long:
+        longest = max(len(p.ids) for p in prompts)
+        raise DataError(
+            f"{too_long} of {len(prompts)} {split} prompts are longer than data.max_prompt_length="
+            f"{cfg.max_prompt_length} tokens (longest: {longest}); raise data.max_prompt_length"
+        )
+    return prompts
+
+
+class PromptLoader:
+    """Batches of prompts in a seeded order, reshuffled every epoch; the last partial batch of an
+    epoch is dropped. Its position is part of a checkpoint."""
+
+    def __init__(
+        self, prompts: Sequence[Prompt], batch_size: int, shuffle: bool, seed: int
+    ) -> None:
+        if len(prompts) < batch_size:
+            raise DataError(
+                f"{len(prompts)} training prompts is fewer than data.train_batch_size={batch_size}"
+            )
+        self.prompts = list(prompts)
+        self.batch_size = batch_size
+        self.shuffle = shuffle
+        self.seed = seed
+        self.epoch = 0
+        self.position = 0
+        self._order = self._epoch_order()
+
+    @property
+    def steps_per_epoch(self) -> int:
+        return len(self.prompts) // self.batch_size
+
+    def next_batch(self) -> list[Prompt]:
+        if self.position + self.batch_size > len(self.prompts):
+            self.epoch += 1
+            self.position = 0
+            self._order = self._epoch_order()
+        batch = [
+            self.prompts[i] for i in self._order[self.position : self.position + self.batch_size]
+        ]
+        self.position += self.batch_size
+        return batch
+
+    def _epoch_order(self) -> list[int]:
+        order = list(range(len(self.prompts)))
+        if self.shuffle:
+            random.Random(f"loader-{self.seed}-{self.epoch}").shuffle(order)
+        return order
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"epoch": self.epoch, "position": self.position}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.epoch, self.position = state["epoch"], state["position"]
+        self._order = self._epoch_order()

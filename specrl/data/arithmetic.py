@@ -48,7 +48,9 @@ def sample_problem(rng: random.Random, min_digits: int = 2, max_digits: int = 6)
     )
 
 
-def solution_trace(problem: Problem, rng: random.Random | None = None, p_forget_carry: float = 0.0) -> str:
+def solution_trace(
+    problem: Problem, rng: random.Random | None = None, p_forget_carry: float = 0.0
+) -> str:
     """The scratchpad and answer; with `p_forget_carry > 0` (and an rng) carries may be dropped."""
     a_digits, b_digits = str(problem.a)[::-1], str(problem.b)[::-1]
     carry, columns, digits = 0, [], []
@@ -73,12 +75,16 @@ def extract_answer(solution: str) -> str | None:
     return solution.rsplit("#", 1)[1].strip()
 
 
-def compute_score(data_source: str, solution_str: str, ground_truth: str, extra_info: dict | None = None) -> float:
+def compute_score(
+    data_source: str, solution_str: str, ground_truth: str, extra_info: dict | None = None
+) -> float:
     """1.0 when the answer after `#` equals the ground truth, else 0.0 (verl signature)."""
     return float(extract_answer(solution_str) == str(ground_truth).strip())
 
 
-def make_split(seed: int, train_size: int, test_size: int, min_digits: int = 2, max_digits: int = 6) -> tuple[list[Problem], list[Problem]]:
+def make_split(
+    seed: int, train_size: int, test_size: int, min_digits: int = 2, max_digits: int = 6
+) -> tuple[list[Problem], list[Problem]]:
     """Deterministic, disjoint train and test problems for a seed (no duplicates within either)."""
     rng = random.Random(f"arithmetic-split-{seed}")
     test: list[Problem] = _unique(rng, test_size, set(), min_digits, max_digits)
@@ -86,7 +92,9 @@ def make_split(seed: int, train_size: int, test_size: int, min_digits: int = 2, 
     return train, test
 
 
-def _unique(rng: random.Random, size: int, exclude: set[Problem], min_digits: int, max_digits: int) -> list[Problem]:
+def _unique(
+    rng: random.Random, size: int, exclude: set[Problem], min_digits: int, max_digits: int
+) -> list[Problem]:
     seen, out = set(exclude), []
     while len(out) < size:
         problem = sample_problem(rng, min_digits, max_digits)

@@ -23,7 +23,11 @@ class HFEngine:
     weights are shared, so there is nothing to sync after an update."""
 
     def __init__(
-        self, model: PreTrainedModel, eos_token_ids: Sequence[int], pad_token_id: int, max_batch_size: int = 512
+        self,
+        model: PreTrainedModel,
+        eos_token_ids: Sequence[int],
+        pad_token_id: int,
+        max_batch_size: int = 512,
     ) -> None:
         self.model = model
         self.eos_token_ids = frozenset(eos_token_ids)
@@ -32,7 +36,9 @@ class HFEngine:
         self.forward_passes = 0  # model calls made by generate/score, for cost accounting
 
     @classmethod
-    def from_pretrained(cls, path: str | Path, dtype: torch.dtype = torch.float32, **kwargs) -> HFEngine:
+    def from_pretrained(
+        cls, path: str | Path, dtype: torch.dtype = torch.float32, **kwargs
+    ) -> HFEngine:
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
         eos = model.generation_config.eos_token_id
         eos_ids = [eos] if isinstance(eos, int) else list(eos or [])
@@ -46,11 +52,16 @@ class HFEngine:
     @torch.no_grad()
     def generate(self, requests: Sequence[GenRequest]) -> list[GenResult]:
         # Longest contexts first: similar lengths share a batch, so little padding is computed.
-        order = sorted(range(len(requests)), key=lambda i: -len(requests[i].prompt_ids) - len(requests[i].prefix_ids))
+        order = sorted(
+            range(len(requests)),
+            key=lambda i: -len(requests[i].prompt_ids) - len(requests[i].prefix_ids),
+        )
         results: list[GenResult | None] = [None] * len(requests)
         for start in range(0, len(order), self.max_batch_size):
             chunk = order[start : start + self.max_batch_size]
-            for i, result in zip(chunk, self._generate_batch([requests[i] for i in chunk]), strict=True):
+            for i, result in zip(
+                chunk, self._generate_batch([requests[i] for i in chunk]), strict=True
+            ):
                 results[i] = result
         return results  # type: ignore[return-value]
 
@@ -76,12 +87,16 @@ class HFEngine:
             tokens = sample_from_logprobs(logprobs, seeded_uniform(seeds, next_pos))  # [B]
             token_logprobs = logprobs.gather(1, tokens[:, None]).squeeze(1)
             produced += 1
-            for row, token, lp in zip(rows.tolist(), tokens.tolist(), token_logprobs.tolist(), strict=True):
+            for row, token, lp in zip(
+                rows.tolist(), tokens.tolist(), token_logprobs.tolist(), strict=True
+            ):
                 results[row].token_ids.append(token)
                 results[row].logprobs.append(lp)
             stopped = torch.isin(tokens, eos)
             finished = stopped | (budgets <= produced)
-            for row, was_stopped in zip(rows[finished].tolist(), stopped[finished].tolist(), strict=True):
+            for row, was_stopped in zip(
+                rows[finished].tolist(), stopped[finished].tolist(), strict=True
+            ):
                 results[row].finish_reason = _reason(was_stopped)
             if bool(finished.all()):
                 return results
@@ -93,7 +108,9 @@ class HFEngine:
                 )
                 params = [params[i] for i in keep.tolist()]
             attention = torch.cat([attention, attention.new_ones(len(rows), 1)], dim=1)
-            logits = self._forward(tokens[:, None], attention, next_pos[:, None], cache, last_only=True)[:, -1]
+            logits = self._forward(
+                tokens[:, None], attention, next_pos[:, None], cache, last_only=True
+            )[:, -1]
             next_pos = next_pos + 1
 
     @torch.no_grad()
@@ -152,7 +169,9 @@ def _reason(stopped: bool) -> FinishReason:
     return "stop" if stopped else "length"
 
 
-def _left_pad(sequences: Sequence[Sequence[int]], pad: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+def _left_pad(
+    sequences: Sequence[Sequence[int]], pad: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
     """→ ids [B, T] and attention mask [B, T], real tokens right-aligned."""
     width = max(len(s) for s in sequences)
     ids = torch.full((len(sequences), width), pad, dtype=torch.long)

@@ -1,0 +1,60 @@
+"""`specrl train | toy-policy`: argument parsing and clear one-line errors."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from specrl.errors import UserError
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="specrl", description="On-policy RL for language models with speculative rollouts."
+    )
+    commands = parser.add_subparsers(dest="command", required=True)
+    train = commands.add_parser(
+        "train", help="train a policy (default: GRPO on the built-in arithmetic task)"
+    )
+    train.add_argument("--config", help="YAML run config; defaults are the built-in quickstart")
+    train.add_argument(
+        "overrides", nargs="*", metavar="key=value", help="dotted overrides, e.g. rollout.n=4"
+    )
+    toy = commands.add_parser("toy-policy", help="build (or show) the cached built-in tiny policy")
+    toy.add_argument("--force", action="store_true", help="rebuild even when cached")
+    args = parser.parse_args(argv)
+    _quiet_libraries()
+    try:
+        if args.command == "train":
+            return _train(args.config, args.overrides)
+        return _toy_policy(args.force)
+    except UserError as err:
+        print(f"specrl: error: {err}", file=sys.stderr)
+        return 2
+
+
+def _quiet_libraries() -> None:
+    """Our progress bar is the one that matters; transformers' per-load bars are noise here."""
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    hf_logging.set_verbosity_error()
+
+
+def _train(config_path: str | None, overrides: list[str]) -> int:
+    from specrl.config import load_config
+    from specrl.trainer import Trainer
+
+    Trainer(load_config(config_path, overrides)).fit()
+    return 0
+
+
+def _toy_policy(force: bool) -> int:
+    from specrl.toy_policy import ensure_toy_policy
+
+    print(ensure_toy_policy(force=force))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,159 @@
+"""Reward functions: the built-in checkers, and user functions in verl's or TRL's style.
+
+verl:  compute_score(data_source, solution_str, ground_truth, extra_info) -> float | {"score": ...}
+TRL:   reward(completions: list[str], **columns) -> list[float]
+       (columns: prompts, ground_truth, data_source, extra_info, one list entry per completion)
+
+A call that raises, runs past `reward_model.timeout_s`, or returns None / NaN is counted in
+`reward/errors` and scored 0.0, and its first message is kept for the log.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import inspect
+import math
+import queue
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+from specrl.data import arithmetic
+from specrl.errors import UserError
+from specrl.rewards import math_answer
+from specrl.types import Example
+
+BUILTIN_SCORERS: dict[str, Callable[..., float]] = {
+    arithmetic.DATA_SOURCE: arithmetic.compute_score
+}
+
+
+class RewardFunctionError(UserError):
+    """The configured reward function cannot be loaded or has an unusable signature."""
+
+
+@dataclass
+class RewardOutputs:
+    scores: list[float]
+    errors: int = 0
+    first_error: str | None = None
+
+
+@dataclass
+class RewardFunction:
+    fn: Callable[..., Any]
+    style: Literal["verl", "trl"]
+    timeout_s: float = 10.0
+    name: str = field(default="")
+
+    def __call__(
+        self, solutions: Sequence[str], examples: Sequence[Example], prompts: Sequence[str]
+    ) -> RewardOutputs:
+        if self.style == "trl":
+            return self._call_batched(solutions, examples, prompts)
+        out = RewardOutputs([])
+        for solution, example in zip(solutions, examples, strict=True):
+            args = (example.data_source, solution, example.ground_truth, example.extra_info)
+            value, error = call_with_timeout(self.fn, args, self.timeout_s)
+            out.scores.append(_check_score(value, error, out))
+        return out
+
+    def _call_batched(
+        self, solutions: Sequence[str], examples: Sequence[Example], prompts: Sequence[str]
+    ) -> RewardOutputs:
+        columns = {
+            "prompts": list(prompts),
+            "ground_truth": [e.ground_truth for e in examples],
+            "data_source": [e.data_source for e in examples],
+            "extra_info": [e.extra_info for e in examples],
+        }
+        out = RewardOutputs([])
+        values, error = call_with_timeout(
+            lambda: self.fn(list(solutions), **columns), (), self.timeout_s * len(solutions)
+        )
+        if error is None and (not isinstance(values, Sequence) or len(values) != len(solutions)):
+            error = f"{self.name} returned {type(values).__name__}, expected a list of {len(solutions)} floats"
+        if error is not None:
+            out.scores = [_check_score(None, error, out) for _ in solutions]
+            return out
+        out.scores = [_check_score(v, None, out) for v in values]
+        return out
+
+
+def builtin_compute_score(
+    data_source: str, solution_str: str, ground_truth: str, extra_info: dict | None = None
+) -> float:
+    """The built-in task's checker for its data source; math-verify for everything else."""
+    scorer = BUILTIN_SCORERS.get(data_source, math_answer.compute_score)
+    return scorer(data_source, solution_str, ground_truth, extra_info)
+
+
+def load_reward_function(path: str | None, name: str, timeout_s: float) -> RewardFunction:
+    if path is None:
+        return RewardFunction(builtin_compute_score, "verl", timeout_s, "builtin")
+    file = Path(path)
+    if not file.is_file():
+        raise RewardFunctionError(f"custom_reward_function.path {path!r} does not exist")
+    spec = importlib.util.spec_from_file_location(f"specrl_user_reward_{file.stem}", file)
+    module = importlib.util.module_from_spec(spec)
+    try:
+        spec.loader.exec_module(module)
+    except Exception as err:
+        raise RewardFunctionError(
+            f"custom_reward_function.path {path!r} failed to import: {err!r}"
+        ) from None
+    fn = getattr(module, name, None)
+    if not callable(fn):
+        raise RewardFunctionError(
+            f"{path!r} has no function {name!r} (set custom_reward_function.name)"
+        )
+    return RewardFunction(fn, _style(fn, f"{path}:{name}"), timeout_s, f"{path}:{name}")
+
+
+def _style(fn: Callable[..., Any], label: str) -> Literal["verl", "trl"]:
+    params = inspect.signature(fn).parameters
+    if "solution_str" in params:
+        return "verl"
+    if "completions" in params or any(p.kind is p.VAR_KEYWORD for p in params.values()):
+        return "trl"
+    raise RewardFunctionError(
+        f"reward function {label} must take (data_source, solution_str, ground_truth, extra_info) "
+        "like verl, or (completions, **columns) like TRL"
+    )
+
+
+def call_with_timeout(
+    fn: Callable[..., Any], args: tuple, timeout_s: float
+) -> tuple[Any, str | None]:
+    """Run fn(*args) on a daemon thread; → (value, None) or (None, error message). Works from any
+    thread (no signals); a call that hangs is abandoned, not killed."""
+    box: queue.Queue = queue.Queue(maxsize=1)
+
+    def run() -> None:
+        try:
+            box.put((fn(*args), None))
+        except Exception as err:
+            box.put((None, f"raised {err!r}"))
+
+    threading.Thread(target=run, daemon=True).start()
+    try:
+        return box.get(timeout=timeout_s)
+    except queue.Empty:
+        return None, f"timed out after {timeout_s:g}s"
+
+
+def _check_score(value: Any, error: str | None, out: RewardOutputs) -> float:
+    if error is None:
+        if isinstance(value, dict):
+            value = value.get("score")
+        if value is None:
+            error = "returned None"
+        elif isinstance(value, bool | int | float) and math.isfinite(float(value)):
+            return float(value)
+        else:
+            error = f"returned {value!r}, not a finite number"
+    out.errors += 1
+    out.first_error = out.first_error or error
+    return 0.0

@@ -1,0 +1,101 @@
+"""Where metrics go: metrics.jsonl (one JSON object per step) and the console (a progress bar
+with live metrics, then a summary)."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+
+from rich.console import Console
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    TextColumn,
+    TimeElapsedColumn,
+    TimeRemainingColumn,
+)
+from rich.table import Table
+
+LIVE_METRICS = {
+    "critic/score/mean": "score",
+    "val/acc/mean@1": "val_acc",
+    "response_length/mean": "len",
+    "spec/reused_token_ratio": "reused",
+    "timing_s/gen": "gen_s",
+    "timing_s/step": "step_s",
+}
+
+
+class Tracker:
+    def __init__(
+        self, loggers: Sequence[str], run_dir: Path, console: Console | None = None
+    ) -> None:
+        self.console = console or Console(stderr=True)
+        self.use_console = "console" in loggers
+        self.jsonl = run_dir / "metrics.jsonl" if "jsonl" in loggers else None
+        if self.jsonl is not None:
+            run_dir.mkdir(parents=True, exist_ok=True)
+            self.jsonl.write_text("")
+        self.history: list[dict[str, float]] = []
+
+    def print(self, message: str) -> None:
+        if self.use_console:
+            self.console.print(message, highlight=False)
+
+    def warn(self, message: str) -> None:
+        self.console.print(f"[yellow]warning:[/] {message}", highlight=False)
+
+    def log(self, metrics: dict[str, float]) -> None:
+        self.history.append(metrics)
+        if self.jsonl is not None:
+            with self.jsonl.open("a") as handle:
+                handle.write(json.dumps(metrics) + "\n")
+        if "val/acc/mean@1" in metrics:
+            self.print(
+                f"step {int(metrics['training/global_step'])}: val/acc/mean@1 = {metrics['val/acc/mean@1']:.3f}"
+            )
+
+    def last(self, key: str) -> float | None:
+        return next((m[key] for m in reversed(self.history) if key in m), None)
+
+    @contextmanager
+    def progress(self, total: int) -> Iterator[Callable[[dict[str, float]], None]]:
+        columns = (
+            TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+            TimeRemainingColumn(), TextColumn("{task.description}"),
+        )  # fmt: skip
+        with Progress(*columns, console=self.console, disable=not self.use_console) as bar:
+            task = bar.add_task("", total=total)
+
+            def advance(metrics: dict[str, float]) -> None:
+                live = {short: self.last(key) for key, short in LIVE_METRICS.items()}
+                bar.update(
+                    task,
+                    advance=1,
+                    description=" ".join(f"{k}={v:.3g}" for k, v in live.items() if v is not None),
+                )
+
+            yield advance
+
+    def summary(self, summary: dict[str, float]) -> None:
+        if not self.use_console or not self.history:
+            return
+        table = Table(title="specrl run summary")
+        table.add_column("metric")
+        table.add_column("value", justify="right")
+        rows = {
+            "steps": self.last("training/global_step"),
+            "val/acc/mean@1 before": summary.get("val_acc_before"),
+            "val/acc/mean@1 after": summary.get("val_acc_after"),
+            "critic/score/mean (last step)": self.last("critic/score/mean"),
+            "response_length/mean (last step)": self.last("response_length/mean"),
+            "rollout time, total (s)": sum(m.get("timing_s/gen", 0.0) for m in self.history),
+            "train time, total (s)": sum(m.get("timing_s/step", 0.0) for m in self.history),
+        }
+        for name, value in rows.items():
+            if value is not None:
+                table.add_row(name, f"{value:.4g}")
+        self.console.print(table)
