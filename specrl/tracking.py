@@ -36,10 +36,13 @@ class Tracker:
         self.console = console or Console(stderr=True)
         self.use_console = "console" in loggers
         self.jsonl = run_dir / "metrics.jsonl" if "jsonl" in loggers else None
-        if self.jsonl is not None:
-            run_dir.mkdir(parents=True, exist_ok=True)
-            self.jsonl.write_text("")
         self.history: list[dict[str, float]] = []
+
+    def start(self) -> None:
+        """Begin a fresh metrics.jsonl; called once everything the run needs has loaded."""
+        if self.jsonl is not None:
+            self.jsonl.parent.mkdir(parents=True, exist_ok=True)
+            self.jsonl.write_text("")
 
     def print(self, message: str) -> None:
         if self.use_console:

@@ -185,6 +185,7 @@ class Trainer:
     # ---------------------------------------------------------------- loop
     def fit(self) -> dict[str, float]:
         save_config(self.cfg, self.run_dir / "config.yaml")
+        self.tracker.start()
         summary: dict[str, float] = {}
         if self.cfg.trainer.val_before_train:
             val = self.validate()

@@ -127,3 +127,14 @@ def test_top_p_keeps_the_smallest_set_reaching_p():
     torch.testing.assert_close(probs, torch.tensor([[0.625, 0.375, 0.0, 0.0]]))
     probs = sampling_logprobs(logits, [SamplingParams(1.0, top_k=3)]).exp()
     torch.testing.assert_close(probs, torch.tensor([[0.5, 0.3, 0.15, 0.0]]) / 0.95)
+
+
+def test_from_pretrained_loads_a_local_model_directory(tiny_model, tmp_path):
+    tiny_model.generation_config.eos_token_id = EOS
+    tiny_model.generation_config.pad_token_id = PAD
+    tiny_model.save_pretrained(tmp_path)
+    loaded = HFEngine.from_pretrained(tmp_path)
+    assert loaded.eos_token_ids == {EOS} and loaded.pad_token_id == PAD
+    direct = HFEngine(tiny_model, [EOS], PAD)
+    request = [GenRequest(PROMPTS[1], 8, seed=4)]
+    assert loaded.generate(request)[0].token_ids == direct.generate(request)[0].token_ids

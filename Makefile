@@ -1,0 +1,12 @@
+test:
+	pytest
+
+fast:
+	pytest -m "not slow"
+
+lint:
+	ruff check .
+	ruff format --check .
+
+train:
+	specrl train

@@ -1,0 +1,74 @@
+import pytest
+
+from specrl.cli import main
+from specrl.config import ConfigError, load_config
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (
+            ["rollout.temperatur=0.7"],
+            "unknown config key 'rollout.temperatur' (did you mean 'rollout.temperature'?)",
+        ),
+        (
+            ["actor.optim.lrr=1e-5"],
+            "unknown config key 'actor.optim.lrr' (did you mean 'actor.optim.lr'?)",
+        ),
+        (["rollout.n=four"], "invalid value for rollout.n: 'four'"),
+        (
+            ["rollout.top_p=1.5"],
+            "invalid value for rollout.top_p: 1.5 (input should be less than or equal to 1)",
+        ),
+        (["data.train_batch_size=0"], "invalid value for data.train_batch_size: 0"),
+        (["actor.loss_agg_mode=seq-mean"], "invalid value for actor.loss_agg_mode: 'seq-mean'"),
+        (["actor.ppo_mini_batch_size=64"], "must not exceed data.train_batch_size"),
+        (["rollout.n"], "not of the form key=value"),
+    ],
+)
+def test_bad_values_fail_at_load_with_one_message(overrides, message):
+    with pytest.raises(ConfigError) as err:
+        load_config(None, overrides)
+    assert message in str(err.value)
+    assert "\n" not in str(err.value)
+
+
+def test_yaml_then_overrides(tmp_path):
+    path = tmp_path / "run.yaml"
+    path.write_text("rollout:\n  n: 4\n  temperature: 0.8\nactor:\n  optim:\n    lr: 3.0e-5\n")
+    cfg = load_config(path, ["rollout.n=2"])
+    assert (cfg.rollout.n, cfg.rollout.temperature, cfg.actor.optim.lr) == (2, 0.8, 3e-5)
+
+
+def test_unknown_section_in_yaml_lists_valid_sections(tmp_path):
+    path = tmp_path / "run.yaml"
+    path.write_text("trainner:\n  seed: 3\n")
+    with pytest.raises(
+        ConfigError, match="unknown config key 'trainner' \\(did you mean 'trainer'\\?\\)"
+    ):
+        load_config(path)
+
+
+def test_cli_reports_config_errors_in_one_line_and_exits_nonzero(capsys):
+    assert main(["train", "rollout.temprature=1.0"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert (
+        err
+        == "specrl: error: unknown config key 'rollout.temprature' (did you mean 'rollout.temperature'?)"
+    )
+
+
+def test_cli_reports_missing_model_path(capsys, tmp_path):
+    missing = tmp_path / "no-such-model"
+    assert main(["train", f"model.path={missing}", f"trainer.output_dir={tmp_path / 'run'}"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1
+    assert (
+        f"model.path '{missing}' does not exist" in err[0]
+        and "local Hugging Face model directory" in err[0]
+    )
+
+
+def test_cli_reports_missing_config_file(capsys, tmp_path):
+    assert main(["train", "--config", str(tmp_path / "nope.yaml")]) == 2
+    assert "does not exist" in capsys.readouterr().err

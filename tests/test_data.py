@@ -1,0 +1,119 @@
+import json
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from specrl.config import DataConfig
+from specrl.data import DataError, PromptLoader, encode_prompt, load_prompts
+from specrl.data.files import read_examples
+from specrl.toy_policy import build_tokenizer
+from specrl.types import Example, Prompt
+
+VERL_ROWS = [
+    {
+        "data_source": "openai/gsm8k",
+        "prompt": [{"role": "user", "content": "12+30="}],
+        "reward_model": {"style": "rule", "ground_truth": "42"},
+        "extra_info": {"index": 0},
+    },
+    {
+        "data_source": "openai/gsm8k",
+        "prompt": [{"role": "user", "content": "1+1="}],
+        "reward_model": {"style": "rule", "ground_truth": "2"},
+        "extra_info": {"index": 1},
+    },
+]
+
+
+def _write_jsonl(path, rows):
+    path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    return str(path)
+
+
+def test_reads_verl_schema_from_jsonl_and_parquet(tmp_path):
+    jsonl = _write_jsonl(tmp_path / "train.jsonl", VERL_ROWS)
+    parquet = tmp_path / "train.parquet"
+    pq.write_table(pa.Table.from_pylist(VERL_ROWS), parquet)
+    for path in (jsonl, str(parquet)):
+        examples = read_examples([path], "prompt", "reward_model.ground_truth")
+        assert [e.ground_truth for e in examples] == ["42", "2"]
+        assert examples[0].prompt == [{"role": "user", "content": "12+30="}]
+        assert examples[0].data_source == "openai/gsm8k" and examples[1].extra_info == {"index": 1}
+
+
+def test_plain_jsonl_with_answer_column(tmp_path):
+    path = _write_jsonl(tmp_path / "plain.jsonl", [{"prompt": "3+4=", "answer": 7}])
+    (example,) = read_examples([path], "prompt", "answer")
+    assert (example.prompt, example.ground_truth) == ("3+4=", "7")
+
+
+def test_chat_template_is_applied_when_the_tokenizer_has_one():
+    tokenizer = build_tokenizer()
+    example = Example(
+        prompt=[{"role": "user", "content": "12+30="}], ground_truth="42", data_source="x"
+    )
+    assert encode_prompt(example, tokenizer).ids == tuple(tokenizer.encode("12+30="))
+    tokenizer.chat_template = "{% for m in messages %}{{ m['content'] }}#{% endfor %}"
+    assert encode_prompt(example, tokenizer).ids == tuple(tokenizer.encode("12+30=#"))
+
+
+@pytest.mark.parametrize(
+    ("content", "message"),
+    [
+        (None, "does not exist"),
+        ("", "hold no rows"),
+        (
+            '{"prompt": "1+1=", "answer": 2}\n{"prompt": "2+2=", "answer": 4\n',
+            "line 2 is not valid JSON",
+        ),
+        (
+            '{"prompt": "1+1="}\n',
+            "line 1 has no column 'answer' (columns: prompt); set data.answer_key",
+        ),
+        (
+            '{"prompt": 5, "answer": 1}\n',
+            "'prompt' must be text or a list of {role, content} messages",
+        ),
+    ],
+)
+def test_bad_dataset_files_name_file_and_line(tmp_path, content, message):
+    path = tmp_path / "data.jsonl"
+    if content is not None:
+        path.write_text(content)
+    with pytest.raises(DataError, match=None) as err:
+        read_examples([str(path)], "prompt", "answer")
+    assert message in str(err.value) and str(path) in str(err.value)
+
+
+def test_non_utf8_file(tmp_path):
+    path = tmp_path / "latin1.jsonl"
+    path.write_bytes('{"prompt": "caf\u00e9", "answer": 1}\n'.encode("latin-1"))
+    with pytest.raises(DataError, match="is not UTF-8"):
+        read_examples([str(path)], "prompt", "answer")
+
+
+def test_prompts_longer_than_max_prompt_length_are_rejected(tmp_path):
+    cfg = DataConfig(train_size=8, val_size=4, max_prompt_length=5)
+    with pytest.raises(DataError, match=r"longer than data\.max_prompt_length=5"):
+        load_prompts(cfg, build_tokenizer(), seed=0)
+
+
+def test_loader_is_seeded_reshuffles_each_epoch_and_restores_position():
+    prompts = [Prompt((i,), Example(str(i), str(i), "x")) for i in range(10)]
+    loader = PromptLoader(prompts, batch_size=4, shuffle=True, seed=3)
+    epoch0 = loader.next_batch() + loader.next_batch()
+    epoch1_first = loader.next_batch()  # the last partial batch of epoch 0 is dropped
+    assert loader.epoch == 1 and len(set(p.ids for p in epoch0)) == 8
+    again = PromptLoader(prompts, batch_size=4, shuffle=True, seed=3)
+    assert again.next_batch() + again.next_batch() == epoch0
+    resumed = PromptLoader(prompts, batch_size=4, shuffle=True, seed=3)
+    resumed.load_state_dict({"epoch": 1, "position": 0})
+    assert resumed.next_batch() == epoch1_first
+    assert [p.ids for p in epoch1_first] != [p.ids for p in epoch0[:4]]
+
+
+def test_prompt_id_is_a_hash_of_token_ids():
+    a = Prompt((1, 2, 3), Example("a", "1", "x"))
+    b = Prompt((1, 2, 3), Example("different text, same ids", "2", "y"))
+    assert a.prompt_id == b.prompt_id != Prompt((1, 2), a.example).prompt_id

@@ -1,0 +1,96 @@
+import math
+import threading
+import time
+
+import pytest
+
+from specrl.rewards import (
+    RewardFunctionError,
+    builtin_compute_score,
+    call_with_timeout,
+    load_reward_function,
+)
+from specrl.types import Example
+
+EXAMPLES = [Example("p", "42", "user/math"), Example("q", "7", "user/math")]
+
+
+def test_builtin_dispatches_arithmetic_and_math_verify():
+    assert builtin_compute_score("specrl/arithmetic", "1+2+0=3;#3", "3") == 1.0
+    assert (
+        builtin_compute_score("openai/gsm8k", "so the answer is \\boxed{\\frac{1}{2}}", "0.5")
+        == 1.0
+    )
+    assert builtin_compute_score("openai/gsm8k", "so the answer is \\boxed{3}", "0.5") == 0.0
+
+
+def test_math_verify_runs_off_the_main_thread():
+    result = {}
+    thread = threading.Thread(
+        target=lambda: result.update(v=builtin_compute_score("m", "\\boxed{42}", "42"))
+    )
+    thread.start()
+    thread.join()
+    assert result["v"] == 1.0
+
+
+def test_verl_style_function_from_a_file(tmp_path):
+    path = tmp_path / "reward.py"
+    path.write_text(
+        "def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
+        "    return {'score': float(solution_str.strip() == ground_truth)}\n"
+    )
+    fn = load_reward_function(str(path), "compute_score", timeout_s=5)
+    assert fn(["42", "8"], EXAMPLES, ["p", "q"]).scores == [1.0, 0.0]
+
+
+def test_trl_style_function_gets_completions_and_columns(tmp_path):
+    path = tmp_path / "reward.py"
+    path.write_text(
+        "def my_reward(completions, ground_truth, **kwargs):\n"
+        "    return [float(c == g) + 0.5 * (kwargs['prompts'][i] == 'q') for i, (c, g) in enumerate(zip(completions, ground_truth))]\n"
+    )
+    fn = load_reward_function(str(path), "my_reward", timeout_s=5)
+    assert fn.style == "trl"
+    assert fn(["42", "7"], EXAMPLES, ["p", "q"]).scores == [1.0, 1.5]
+
+
+def test_failing_calls_are_counted_not_silently_zero(tmp_path):
+    path = tmp_path / "reward.py"
+    path.write_text(
+        "import time\n"
+        "def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
+        "    if solution_str == 'raise': raise RuntimeError('boom')\n"
+        "    if solution_str == 'hang': time.sleep(30)\n"
+        "    if solution_str == 'nan': return float('nan')\n"
+        "    if solution_str == 'none': return None\n"
+        "    return 1.0\n"
+    )
+    fn = load_reward_function(str(path), "compute_score", timeout_s=0.2)
+    start = time.perf_counter()
+    out = fn(["ok", "raise", "hang", "nan", "none"], [EXAMPLES[0]] * 5, ["p"] * 5)
+    assert time.perf_counter() - start < 5
+    assert out.scores == [1.0, 0.0, 0.0, 0.0, 0.0]
+    assert out.errors == 4 and "boom" in out.first_error
+
+
+def test_call_with_timeout_from_a_worker_thread():
+    box = {}
+    thread = threading.Thread(
+        target=lambda: box.update(r=call_with_timeout(time.sleep, (10,), 0.1))
+    )
+    thread.start()
+    thread.join(timeout=5)
+    assert box["r"] == (None, "timed out after 0.1s")
+    assert call_with_timeout(math.sqrt, (4.0,), 1.0) == (2.0, None)
+
+
+def test_bad_reward_function_config(tmp_path):
+    with pytest.raises(RewardFunctionError, match="does not exist"):
+        load_reward_function(str(tmp_path / "missing.py"), "f", 1.0)
+    path = tmp_path / "reward.py"
+    path.write_text("def f(x, y):\n    return 0\n")
+    with pytest.raises(RewardFunctionError, match="has no function 'g'"):
+        load_reward_function(str(path), "g", 1.0)
+    with pytest.raises(RewardFunctionError, match="like verl"):
+        load_reward_function(str(path), "f", 1.0)
