@@ -1,9 +1,9 @@
 """Checkpoints: everything a resume needs, written atomically.
 
 Layout: RUN_DIR/checkpoints/global_step_{s}/ with the policy and tokenizer (save_pretrained) and
-trainer_state.pt (optimizer, scheduler, RNG states, loader position, step). The directory is
-written under a temporary name and renamed, so a crash mid-save never leaves a half checkpoint
-under the final name.
+trainer_state.pt (optimizer, scheduler, RNG states, loader position, step, rollout store). The
+directory is written under a temporary name and renamed, so a crash mid-save never leaves a half
+checkpoint under the final name.
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ def save_checkpoint(trainer: Trainer) -> Path:
         "optimizer": trainer.optimizer.state_dict(),
         "scheduler": trainer.scheduler.state_dict(),
         "loader": trainer.loader.state_dict(),
+        "rollout_store": trainer.store.state_dict(),
         "rng": {
             "python": random.getstate(),
             "numpy": np.random.get_state(),

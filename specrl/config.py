@@ -59,6 +59,27 @@ class ModelConfig(Section):
     )
 
 
+class SpecConfig(Section):
+    enabled: bool = Field(
+        False, description="speculative rollouts: reuse last epoch's response as a draft"
+    )
+    acceptance: Literal["specrl", "exact"] = Field(
+        "specrl",
+        description="specrl: lenient min(1, l*p_new/p_old); exact: distribution-exact point-mass rule",
+    )
+    log_lenience: float = Field(
+        0.5,
+        description="ln l for the specrl rule: -inf reuses nothing, +inf reuses every draft whole",
+    )
+    verify_mode: Literal["full", "chunked"] = Field(
+        "full",
+        description="full: one pass over every draft; chunked: stop each draft at its first rejection",
+    )
+    verify_chunk_size: int = Field(
+        16, ge=1, description="draft tokens per pass in chunked verification"
+    )
+
+
 class RolloutConfig(Section):
     name: Literal["hf"] = Field("hf", description="rollout engine: hf (transformers)")
     n: int = Field(8, ge=1, description="slots: responses sampled per prompt")
@@ -66,6 +87,7 @@ class RolloutConfig(Section):
     top_p: float = Field(1.0, gt=0.0, le=1.0, description="nucleus sampling mass")
     top_k: int = Field(0, ge=0, description="keep the k most likely tokens; 0 disables")
     max_batch_size: int = Field(512, ge=1, description="most sequences decoded at once")
+    spec: SpecConfig = Field(default_factory=SpecConfig)
 
 
 class OptimConfig(Section):

@@ -36,7 +36,8 @@ from specrl.engines import GREEDY, SamplingParams
 from specrl.engines.hf import HFEngine
 from specrl.errors import UserError
 from specrl.rewards import load_reward_function
-from specrl.spec.rollout import generate_rollouts
+from specrl.spec.rollout import RolloutStage, generate_rollouts
+from specrl.spec.store import RolloutStore
 from specrl.toy_policy import ensure_toy_policy
 from specrl.tracking import Tracker
 from specrl.types import Prompt, Rollout
@@ -94,6 +95,13 @@ class TrainBatch:
             attention[row, width_p - p : width_p + len(r.token_ids)] = 1
         positions = (attention.cumsum(-1) - 1).clamp(min=0)
         return cls(ids, attention, positions, attention[:, width_p:].clone(), width_p)
+
+    def pad_responses(self, values: list[list[float]]) -> torch.Tensor:
+        """Per-token values of each response → [B, R], zero-padded like the response tokens."""
+        out = torch.zeros(self.response_mask.shape)
+        for row, v in enumerate(values):
+            out[row, : len(v)] = torch.tensor(v)
+        return out
 
     def rows(self, index: torch.Tensor) -> TrainBatch:
         return TrainBatch(
@@ -168,6 +176,18 @@ class Trainer:
         self.sampling = SamplingParams(
             cfg.rollout.temperature, cfg.rollout.top_p, cfg.rollout.top_k
         )
+        self.store = RolloutStore()
+        self.rollout = RolloutStage(
+            self.engine, self.sampling, cfg.data.max_response_length, cfg.rollout.spec, self.store
+        )
+        # Rollout logprobs are the trainer's own old log-probs when the engine runs the trainer's
+        # model and samples from softmax(logits / T) untruncated: no recomputation needed.
+        self.rollout_logprobs_are_old_logprobs = (
+            self.engine.model is self.policy
+            and cfg.rollout.temperature > 0
+            and cfg.rollout.top_p == 1
+            and cfg.rollout.top_k == 0
+        )
         self.optimizer = torch.optim.AdamW(
             self.policy.parameters(),
             lr=cfg.actor.optim.lr,
@@ -217,7 +237,10 @@ class Trainer:
         rollouts, scores = self.collect_rollouts(metrics)
         batch = TrainBatch.collate(rollouts, self.tokenizer.pad_token_id)
         with timed(metrics, "old_log_prob"), torch.no_grad():
-            old_logprobs = self._logprobs(self.policy, batch)
+            if self.rollout_logprobs_are_old_logprobs:
+                old_logprobs = batch.pad_responses([r.logprobs for r in rollouts])
+            else:
+                old_logprobs = self._logprobs(self.policy, batch)
         ref_logprobs = None
         if self.reference is not None:
             with timed(metrics, "ref"), torch.no_grad():
@@ -247,11 +270,8 @@ class Trainer:
         filtering = cfg.algorithm.filter_groups
         for gen_batch in range(filtering.max_num_gen_batches if filtering.enable else 1):
             prompts = self.loader.next_batch()
-            with timed(metrics, "gen"):
-                rollouts = generate_rollouts(
-                    self.engine, prompts, n, self.sampling, cfg.data.max_response_length,
-                    (cfg.trainer.seed, self.global_step, gen_batch), self.global_step,
-                )  # fmt: skip
+            seed_key = (cfg.trainer.seed, self.global_step, gen_batch)
+            rollouts = self.rollout(prompts, n, seed_key, self.global_step, metrics)
             with timed(metrics, "reward"):
                 scores = self.score(rollouts, metrics).view(-1, n)  # [G, n]
             keep = (

@@ -30,13 +30,20 @@ GREEDY = SamplingParams(temperature=0.0)
 
 @dataclass(frozen=True)
 class GenRequest:
-    """Decode after `prompt_ids + prefix_ids` (the forced prefix is context, not output)."""
+    """Decode after `prompt_ids + prefix_ids` (the forced prefix is context, not output).
+
+    `reject_token`: the first new token is drawn from the sampling distribution with this token
+    removed and renormalised (the residual of the exact acceptance rule after a rejected draft
+    token). Its reported logprob is under the full distribution: that is its marginal
+    probability under exact speculative sampling.
+    """
 
     prompt_ids: Sequence[int]
     max_new_tokens: int
     sampling: SamplingParams = SamplingParams()
     seed: int = 0
     prefix_ids: Sequence[int] = ()
+    reject_token: int | None = None
 
 
 @dataclass

@@ -82,9 +82,11 @@ class HFEngine:
         eos = torch.tensor(sorted(self.eos_token_ids), device=self.device)
         params = [requests[i].sampling for i in live]
         produced = 0
+        rejected = [requests[i].reject_token for i in live]
         while True:
             logprobs = sampling_logprobs(logits, params)  # [B, V]
-            tokens = sample_from_logprobs(logprobs, seeded_uniform(seeds, next_pos))  # [B]
+            draw_from = _residual(logprobs, rejected) if produced == 0 else logprobs
+            tokens = sample_from_logprobs(draw_from, seeded_uniform(seeds, next_pos))  # [B]
             token_logprobs = logprobs.gather(1, tokens[:, None]).squeeze(1)
             produced += 1
             for row, token, lp in zip(
@@ -163,6 +165,17 @@ class HFEngine:
             use_cache=cache is not None,
             logits_to_keep=1 if last_only else 0,
         ).logits
+
+
+def _residual(logprobs: torch.Tensor, rejected: Sequence[int | None]) -> torch.Tensor:
+    """logprobs [B, V] with each row's rejected token removed and the rest renormalised."""
+    rows = [row for row, token in enumerate(rejected) if token is not None]
+    if not rows:
+        return logprobs
+    residual = logprobs.clone()
+    residual[rows, [rejected[row] for row in rows]] = float("-inf")
+    residual[rows] = residual[rows].log_softmax(-1)
+    return residual
 
 
 def _reason(stopped: bool) -> FinishReason:

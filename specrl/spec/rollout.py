@@ -1,21 +1,31 @@
 """The rollout stage: prompts → n rollouts per prompt (slots), grouped by prompt.
 
-Vanilla rollout is this path with no drafts; speculative rollouts (drafts → verify → cut →
-continue) plug in here behind the same interface, so the trainer never changes.
+`generate_rollouts` is plain sampling. `RolloutStage` is what the trainer calls every step:
+with speculation on it runs drafts → verify → cut → continue → assemble → store (DESIGN.md);
+with it off, or for a prompt seen for the first time, it is plain sampling through the same
+code path. Either way the trainer receives ordinary rollouts plus `spec/*` metrics.
 """
 
 from __future__ import annotations
 
 import hashlib
+import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 
-from specrl.engines import GenRequest, RolloutEngine, SamplingParams
+import torch
+
+from specrl.config import SpecConfig
+from specrl.engines import GenRequest, GenResult, RolloutEngine, SamplingParams, ScoreRequest
+from specrl.engines.sampling import seeded_uniform
+from specrl.spec.store import RolloutStore, StoredRollout
+from specrl.spec.verify import accept_mask, cut_indices
 from specrl.types import Prompt, Rollout
 
 
 def rollout_seed(*key: object) -> int:
-    """A 63-bit sampling seed from a key such as (run seed, step, prompt id, slot): fresh for
-    every step, independent of batch composition and order."""
+    """A 63-bit seed from a key such as (run seed, step, prompt id, slot): fresh for every step,
+    independent of batch composition and order."""
     digest = hashlib.blake2b(repr(key).encode(), digest_size=8).digest()
     return int.from_bytes(digest, "little") >> 1
 
@@ -29,23 +39,220 @@ def generate_rollouts(
     seed_key: tuple,
     policy_version: int,
 ) -> list[Rollout]:
-    """→ len(prompts) * n rollouts, prompt-major (the n slots of a prompt are contiguous)."""
+    """Plain sampling → len(prompts) * n rollouts, prompt-major (a prompt's slots contiguous)."""
+    slots = [(p, s) for p in prompts for s in range(n)]
     requests = [
-        GenRequest(
-            prompt.ids,
-            max_response_length,
-            sampling,
-            rollout_seed(*seed_key, prompt.prompt_id, slot),
-        )
-        for prompt in prompts
-        for slot in range(n)
+        GenRequest(p.ids, max_response_length, sampling, rollout_seed(*seed_key, p.prompt_id, s))
+        for p, s in slots
     ]
     results = engine.generate(requests)
     return [
-        Rollout(
-            prompt, slot, result.token_ids, result.logprobs, result.finish_reason, policy_version
-        )
-        for (prompt, slot), result in zip(
-            ((p, s) for p in prompts for s in range(n)), results, strict=True
-        )
+        Rollout(p, s, r.token_ids, r.logprobs, r.finish_reason, policy_version)
+        for (p, s), r in zip(slots, results, strict=True)
     ]
+
+
+@dataclass
+class Verified:
+    """Outcome of verifying one draft: the cut index and the current logprobs of draft[:cut]."""
+
+    cut: int
+    logprobs: list[float]
+
+
+class RolloutStage:
+    def __init__(
+        self,
+        engine: RolloutEngine,
+        sampling: SamplingParams,
+        max_response_length: int,
+        spec: SpecConfig,
+        store: RolloutStore,
+    ) -> None:
+        self.engine = engine
+        self.sampling = sampling
+        self.max_response_length = max_response_length
+        self.spec = spec
+        self.store = store
+
+    def __call__(
+        self,
+        prompts: Sequence[Prompt],
+        n: int,
+        seed_key: tuple,
+        policy_version: int,
+        metrics: dict[str, float],
+    ) -> list[Rollout]:
+        start = time.perf_counter()
+        slots = [(p, s) for p in prompts for s in range(n)]
+        seeds = [rollout_seed(*seed_key, p.prompt_id, s) for p, s in slots]
+        drafts = [self._draft(p, s) for p, s in slots]
+        verify_start = time.perf_counter()
+        verified, verified_tokens = self._verify(slots, drafts, seed_key)
+        verify_time = time.perf_counter() - verify_start
+
+        requests: dict[int, GenRequest] = {}
+        for i, ((prompt, _), draft, check) in enumerate(zip(slots, drafts, verified, strict=True)):
+            request = self._continuation(prompt, draft, check, seeds[i])
+            if request is not None:
+                requests[i] = request
+        gen_start = time.perf_counter()
+        results = dict(zip(requests, self.engine.generate(list(requests.values())), strict=True))
+        gen_time = time.perf_counter() - gen_start
+
+        rollouts = [
+            self._assemble(prompt, slot, draft, check, results.get(i), policy_version)
+            for i, ((prompt, slot), draft, check) in enumerate(
+                zip(slots, drafts, verified, strict=True)
+            )
+        ]
+        if self.spec.enabled:
+            for r in rollouts:
+                self.store.put(
+                    r.prompt.prompt_id,
+                    r.slot,
+                    r.token_ids,
+                    r.logprobs,
+                    r.finish_reason,
+                    policy_version,
+                )
+        _accumulate(metrics, "timing_s/gen", gen_time)
+        _accumulate(metrics, "timing_s/verify", verify_time)
+        _accumulate(metrics, "timing_s/rollout", time.perf_counter() - start)
+        if self.spec.enabled:
+            metrics.update(self._metrics(rollouts, drafts, verified, results, verified_tokens))
+        return rollouts
+
+    # ---------------------------------------------------------------- drafts and verification
+    def _draft(self, prompt: Prompt, slot: int) -> StoredRollout | None:
+        if not self.spec.enabled:
+            return None
+        return self.store.get(prompt.prompt_id, slot)
+
+    def _verify(
+        self, slots: list[tuple[Prompt, int]], drafts: list[StoredRollout | None], seed_key: tuple
+    ) -> tuple[list[Verified | None], int]:
+        """Cut index and current logprobs for every slot with a draft; → (per slot, tokens scored).
+        `full` scores every draft token in one pass; `chunked` scores verify_chunk_size tokens per
+        pass and drops each draft from later passes at its first rejection."""
+        todo = [i for i, d in enumerate(drafts) if d is not None and len(d) > 0]
+        out: list[Verified | None] = [None] * len(slots)
+        targets = {i: drafts[i].token_ids[: self.max_response_length].tolist() for i in todo}
+        seeds = {
+            i: rollout_seed(*seed_key, slots[i][0].prompt_id, slots[i][1], "verify") for i in todo
+        }
+        chunk = (
+            self.spec.verify_chunk_size
+            if self.spec.verify_mode == "chunked"
+            else self.max_response_length
+        )
+        new: dict[int, list[float]] = {i: [] for i in todo}
+        active, offset, scored = todo, 0, 0
+        while active:
+            requests = [
+                ScoreRequest(
+                    list(slots[i][0].ids) + targets[i][:offset],
+                    targets[i][offset : offset + chunk],
+                    self.sampling,
+                )
+                for i in active
+            ]
+            for i, logprobs in zip(active, self.engine.score(requests), strict=True):
+                new[i].extend(logprobs.tolist())
+                scored += len(logprobs)
+            cuts = self._cuts(
+                [new[i] for i in active],
+                [drafts[i].logprobs for i in active],
+                [seeds[i] for i in active],
+            )
+            still = []
+            for i, k in zip(active, cuts, strict=True):
+                if k < len(new[i]) or len(new[i]) == len(targets[i]):
+                    out[i] = Verified(k, new[i][:k])
+                else:
+                    still.append(i)
+            active, offset = still, offset + chunk
+        return out, scored
+
+    def _cuts(self, new: list[list[float]], old: list, seeds: list[int]) -> list[int]:
+        """The acceptance rule over a batch of verified prefixes (ragged → padded [B, T])."""
+        lengths = torch.tensor([len(x) for x in new])
+        width = int(lengths.max())
+        new_t = torch.zeros(len(new), width, dtype=torch.float64)
+        old_t = torch.zeros(len(new), width, dtype=torch.float64)
+        for row, (x, y) in enumerate(zip(new, old, strict=True)):
+            new_t[row, : len(x)] = torch.tensor(x, dtype=torch.float64)
+            old_t[row, : len(x)] = torch.from_numpy(y[: len(x)]).double()
+        uniforms = seeded_uniform(
+            torch.tensor(seeds)[:, None], torch.arange(width)[None, :]
+        )  # [B, T]
+        accepted = accept_mask(new_t, old_t, uniforms, self.spec.acceptance, self.spec.log_lenience)
+        return cut_indices(accepted, lengths).tolist()
+
+    # ---------------------------------------------------------------- continue and assemble
+    def _continuation(
+        self, prompt: Prompt, draft: StoredRollout | None, check: Verified | None, seed: int
+    ) -> GenRequest | None:
+        """What is left to decode for a slot, or None when its draft is reused whole."""
+        if check is None:
+            return GenRequest(prompt.ids, self.max_response_length, self.sampling, seed)
+        kept = draft.token_ids[: check.cut].tolist()
+        whole = check.cut == len(draft)
+        if whole and (draft.finish_reason == "stop" or check.cut >= self.max_response_length):
+            return None
+        reject = None
+        if not whole and self.spec.acceptance == "exact" and check.cut < self.max_response_length:
+            reject = int(draft.token_ids[check.cut])
+        return GenRequest(
+            prompt.ids, self.max_response_length - check.cut, self.sampling, seed, kept, reject
+        )
+
+    def _assemble(
+        self,
+        prompt: Prompt,
+        slot: int,
+        draft: StoredRollout | None,
+        check: Verified | None,
+        result: GenResult | None,
+        version: int,
+    ) -> Rollout:
+        kept = draft.token_ids[: check.cut].tolist() if check is not None else []
+        kept_logprobs = check.logprobs if check is not None else []
+        if result is None:  # reused whole
+            finish = draft.finish_reason if check.cut == len(draft) else "length"
+            return Rollout(prompt, slot, kept, list(kept_logprobs), finish, version)
+        return Rollout(
+            prompt,
+            slot,
+            kept + result.token_ids,
+            list(kept_logprobs) + result.logprobs,
+            result.finish_reason,
+            version,
+        )
+
+    def _metrics(
+        self,
+        rollouts: list[Rollout],
+        drafts: list[StoredRollout | None],
+        verified: list[Verified | None],
+        results: dict[int, GenResult],
+        verified_tokens: int,
+    ) -> dict[str, float]:
+        cuts = [v.cut for v in verified if v is not None]
+        reused = sum(cuts)
+        total = sum(len(r.token_ids) for r in rollouts)
+        return {
+            "spec/reused_token_ratio": reused / max(total, 1),
+            "spec/full_reuse_ratio": (len(rollouts) - len(results)) / len(rollouts),
+            "spec/draft_ratio": len(cuts) / len(rollouts),
+            "spec/mean_cut_index": sum(cuts) / max(len(cuts), 1),
+            "spec/reused_tokens": reused,
+            "spec/decoded_tokens": sum(len(r.token_ids) for r in results.values()),
+            "spec/verified_tokens": verified_tokens,
+            "spec/store_entries": len(self.store),
+            "spec/store_bytes_per_token": self.store.nbytes / max(self.store.num_tokens, 1),
+        }
+
+
+def _accumulate(metrics: dict[str, float], key: str, value: float) -> None:
+    metrics[key] = metrics.get(key, 0.0) + value

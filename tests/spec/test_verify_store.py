@@ -1,0 +1,60 @@
+import math
+
+import numpy as np
+import torch
+
+from specrl.spec.store import RolloutStore
+from specrl.spec.verify import accept_mask, cut_indices
+
+NEW = torch.log(torch.tensor([[0.5, 0.5, 0.5], [0.9, 0.1, 0.9]]))
+OLD = torch.log(torch.tensor([[0.5, 0.5, 0.5], [0.9, 0.9, 0.9]]))
+
+
+def test_cut_is_first_rejection_within_the_draft():
+    accepted = torch.tensor(
+        [[True, False, True], [True, True, True], [False, True, True], [True, True, False]]
+    )
+    lengths = torch.tensor([3, 3, 3, 2])
+    # row 3: the rejection at position 2 lies beyond its draft of length 2 → whole draft kept
+    assert cut_indices(accepted, lengths).tolist() == [1, 3, 0, 2]
+
+
+def test_specrl_rule_with_lenience():
+    u = torch.tensor([[0.99, 0.99, 0.99], [0.5, 0.5, 0.5]])
+    # row 0: p_new = p_old → ratio 1 → always accepted; row 1: token 1 has ratio 1/9 < u = 0.5
+    assert accept_mask(NEW, OLD, u, "specrl", 0.0).tolist() == [[True] * 3, [True, False, True]]
+    # lenience e^2 ≈ 7.4: 7.4 / 9 = 0.82 > 0.5 → now accepted
+    assert accept_mask(NEW, OLD, u, "specrl", 2.0)[1].tolist() == [True] * 3
+    assert not accept_mask(NEW, OLD, u, "specrl", -math.inf).any()
+    assert accept_mask(NEW - 50, OLD, u, "specrl", math.inf).all()
+
+
+def test_exact_rule_accepts_with_the_current_probability():
+    u = torch.tensor([[0.49, 0.51, 0.2], [0.89, 0.11, 0.95]])
+    assert accept_mask(NEW, OLD, u, "exact", 0.0).tolist() == [
+        [True, False, True],
+        [True, False, False],
+    ]
+
+
+def test_store_is_compact_and_round_trips():
+    store = RolloutStore()
+    store.put("abc", 0, [1, 2, 3], [-0.1, -0.2, -0.3], "stop", 4)
+    store.put("abc", 1, [5], [-1.0], "length", 4)
+    store.put("def", 0, [], [], "stop", 3)
+    assert store.nbytes / store.num_tokens == 8  # int32 token + float32 logprob, no padding
+    restored = RolloutStore()
+    restored.load_state_dict(store.state_dict())
+    assert len(restored) == 3
+    entry = restored.get("abc", 0)
+    assert (
+        entry.token_ids.tolist() == [1, 2, 3]
+        and entry.finish_reason == "stop"
+        and entry.policy_step == 4
+    )
+    np.testing.assert_allclose(entry.logprobs, [-0.1, -0.2, -0.3], rtol=1e-6)
+    assert (
+        restored.get("abc", 1).token_ids.tolist() == [5]
+        and restored.get("def", 0).token_ids.tolist() == []
+    )
+    assert restored.get("xyz", 0) is None
