@@ -20,6 +20,17 @@ def main(argv: list[str] | None = None) -> int:
     train.add_argument(
         "overrides", nargs="*", metavar="key=value", help="dotted overrides, e.g. rollout.n=4"
     )
+    bench = commands.add_parser(
+        "bench", help="train vanilla and speculative arms, write bench.json + bench.png"
+    )
+    bench.add_argument("--config", help="YAML run config; defaults are the built-in quickstart")
+    bench.add_argument("--out", default="bench", help="output directory (default: bench)")
+    bench.add_argument(
+        "overrides",
+        nargs="*",
+        metavar="key=value",
+        help="dotted overrides, e.g. rollout.spec.acceptance=exact",
+    )
     toy = commands.add_parser("toy-policy", help="build (or show) the cached built-in tiny policy")
     toy.add_argument("--force", action="store_true", help="rebuild even when cached")
     args = parser.parse_args(argv)
@@ -27,6 +38,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "train":
             return _train(args.config, args.overrides)
+        if args.command == "bench":
+            return _bench(args.config, args.out, args.overrides)
         return _toy_policy(args.force)
     except UserError as err:
         print(f"specrl: error: {err}", file=sys.stderr)
@@ -46,6 +59,18 @@ def _train(config_path: str | None, overrides: list[str]) -> int:
     from specrl.trainer import Trainer
 
     Trainer(load_config(config_path, overrides)).fit()
+    return 0
+
+
+def _bench(config_path: str | None, out: str, overrides: list[str]) -> int:
+    import json
+    from pathlib import Path
+
+    from specrl.bench import run_bench
+    from specrl.config import load_config
+
+    result = run_bench(load_config(config_path, overrides), Path(out))
+    print(json.dumps(result, indent=2))
     return 0
 
 

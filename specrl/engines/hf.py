@@ -128,16 +128,15 @@ class HFEngine:
         ids, attention = _left_pad(sequences, self.pad_token_id, self.device)  # [B, T]
         positions = (attention.cumsum(-1) - 1).clamp(min=0)
         logits = self._forward(ids, attention, positions, cache=None)  # [B, T, V]
-        width = ids.shape[1]
-        out = []
-        for row, request in enumerate(requests):
-            n = len(request.target_ids)
-            # logits at position t predict token t + 1; targets occupy the last n columns
-            predicting = logits[row, width - n - 1 : width - 1]  # [n, V]
-            logprobs = sampling_logprobs(predicting, [request.sampling] * n)
-            targets = ids[row, width - n :]
-            out.append(logprobs.gather(1, targets[:, None]).squeeze(1).cpu())
-        return out
+        # Targets are right-aligned: the logits at column t predict the token at column t + 1.
+        n = max(len(r.target_ids) for r in requests)
+        predicting = logits[:, -n - 1 : -1]  # [B, n, V]
+        params = [r.sampling for r in requests for _ in range(n)]
+        logprobs = sampling_logprobs(predicting.reshape(-1, logits.shape[-1]), params)
+        logprobs = logprobs.gather(1, ids[:, -n:].reshape(-1, 1)).view(len(requests), n)  # [B, n]
+        return [
+            row[n - len(r.target_ids) :].cpu() for row, r in zip(logprobs, requests, strict=True)
+        ]
 
     def load_weights(self, state: Mapping[str, torch.Tensor]) -> None:
         params = dict(self.model.named_parameters())

@@ -119,8 +119,7 @@ class RolloutStage:
         _accumulate(metrics, "timing_s/gen", gen_time)
         _accumulate(metrics, "timing_s/verify", verify_time)
         _accumulate(metrics, "timing_s/rollout", time.perf_counter() - start)
-        if self.spec.enabled:
-            metrics.update(self._metrics(rollouts, drafts, verified, results, verified_tokens))
+        metrics.update(self._metrics(rollouts, verified, results, verified_tokens))
         return rollouts
 
     # ---------------------------------------------------------------- drafts and verification
@@ -233,7 +232,6 @@ class RolloutStage:
     def _metrics(
         self,
         rollouts: list[Rollout],
-        drafts: list[StoredRollout | None],
         verified: list[Verified | None],
         results: dict[int, GenResult],
         verified_tokens: int,
