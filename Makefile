@@ -10,3 +10,6 @@ lint:
 
 train:
 	specrl train
+
+bench:
+	specrl bench --out bench

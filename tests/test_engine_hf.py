@@ -138,3 +138,17 @@ def test_from_pretrained_loads_a_local_model_directory(tiny_model, tmp_path):
     direct = HFEngine(tiny_model, [EOS], PAD)
     request = [GenRequest(PROMPTS[1], 8, seed=4)]
     assert loaded.generate(request)[0].token_ids == direct.generate(request)[0].token_ids
+
+
+def test_identical_score_requests_are_computed_once(engine, tiny_model):
+    rows = []
+    hook = tiny_model.model.register_forward_hook(
+        lambda m, args, kwargs, out: rows.append(kwargs["input_ids"].shape[0]), with_kwargs=True
+    )
+    a, b = ScoreRequest([3, 4], [5, 6, 7]), ScoreRequest([3, 4, 5], [6, 7])
+    scored = engine.score([a, b, a, a, b])
+    hook.remove()
+    assert rows == [2]
+    assert torch.equal(scored[0], scored[2]) and torch.equal(scored[1], scored[4])
+    # the same tokens split differently: the shared targets get the same logprobs
+    assert torch.allclose(scored[0][1:], scored[1], atol=1e-5)

@@ -135,3 +135,50 @@ def test_ppo_update_moves_the_policy_toward_higher_advantage(tiny_policy_dir, tm
     Trainer(cfg).fit()
     scores = [m["critic/score/mean"] for m in read_metrics(tmp_path / "run")[1:]]
     assert scores[-1] > scores[0]
+
+
+@pytest.mark.parametrize("spec", [False, True], ids=["vanilla", "spec"])
+def test_rollout_logprobs_handed_to_the_trainer_equal_recomputed_old_logprobs(
+    tiny_policy_dir, tmp_path, spec
+):
+    from specrl.trainer import TrainBatch
+
+    cfg = small_config(
+        tiny_policy_dir,
+        tmp_path,
+        "data.train_size=4",
+        f"rollout.spec.enabled={spec}",
+        "rollout.spec.log_lenience=.inf",
+    )
+    trainer = Trainer(cfg)
+    assert trainer.rollout_logprobs_are_old_logprobs
+    for step in (1, 2):  # with train_size = batch size, step 2 rolls out the same prompts again
+        trainer.global_step = step
+        metrics = {}
+        rollouts, _ = trainer.collect_rollouts(metrics)
+        batch = TrainBatch.collate(rollouts, trainer.tokenizer.pad_token_id)
+        with torch.no_grad():
+            recomputed = trainer._logprobs(trainer.policy, batch) * batch.response_mask
+        handed = batch.pad_responses([r.logprobs for r in rollouts])
+        assert torch.allclose(handed, recomputed, atol=1e-4)
+    assert metrics["spec/reused_token_ratio"] == (1.0 if spec else 0.0)
+
+
+def test_speculative_training_reuses_drafts_from_the_second_epoch(tiny_policy_dir, tmp_path):
+    cfg = small_config(
+        tiny_policy_dir,
+        tmp_path,
+        "data.train_size=8",
+        "trainer.total_training_steps=4",
+        "rollout.spec.enabled=true",
+    )
+    Trainer(cfg).fit()
+    steps = read_metrics(tmp_path)[1:]
+    assert [m["training/epoch"] for m in steps] == [0, 0, 1, 1]
+    assert steps[0]["spec/draft_ratio"] == steps[1]["spec/draft_ratio"] == 0
+    assert steps[2]["spec/draft_ratio"] == steps[3]["spec/draft_ratio"] == 1
+    assert steps[2]["spec/verified_tokens"] > 0 and "timing_s/verify" in steps[2]
+    state = torch.load(
+        tmp_path / "checkpoints" / "global_step_4" / "trainer_state.pt", weights_only=False
+    )
+    assert len(state["rollout_store"]["prompt_ids"]) == 8 * 4  # every (prompt id, slot) is saved

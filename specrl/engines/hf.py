@@ -117,11 +117,21 @@ class HFEngine:
 
     @torch.no_grad()
     def score(self, requests: Sequence[ScoreRequest]) -> list[torch.Tensor]:
-        """One forward pass per batch of up to `max_batch_size` sequences."""
-        out: list[torch.Tensor] = []
-        for start in range(0, len(requests), self.max_batch_size):
-            out.extend(self._score_batch(requests[start : start + self.max_batch_size]))
-        return out
+        """One forward pass per batch of up to `max_batch_size` distinct sequences. Identical
+        requests (the n slots of a prompt often hold the same draft) are computed once."""
+        index: dict[tuple, int] = {}
+        distinct: list[ScoreRequest] = []
+        for r in requests:
+            key = (tuple(r.context_ids), tuple(r.target_ids), r.sampling)
+            if key not in index:
+                index[key] = len(distinct)
+                distinct.append(r)
+        scored: list[torch.Tensor] = []
+        for start in range(0, len(distinct), self.max_batch_size):
+            scored.extend(self._score_batch(distinct[start : start + self.max_batch_size]))
+        return [
+            scored[index[(tuple(r.context_ids), tuple(r.target_ids), r.sampling)]] for r in requests
+        ]
 
     def _score_batch(self, requests: Sequence[ScoreRequest]) -> list[torch.Tensor]:
         sequences = [list(r.context_ids) + list(r.target_ids) for r in requests]

@@ -21,5 +21,8 @@ def test_bench_trains_both_arms_and_writes_json_and_plot(tiny_policy_dir, tmp_pa
     assert result["final_acc_vanilla"] is not None and result["final_acc_spec"] is not None
     assert result["decoded_tokens"]["spec"] < result["decoded_tokens"]["vanilla"]
     # the vanilla arm never reads the store; the spec arm starts reusing once prompts repeat
-    vanilla = [json.loads(x) for x in (tmp_path / "bench" / "vanilla" / "metrics.jsonl").read_text().splitlines()]
+    vanilla = [
+        json.loads(x)
+        for x in (tmp_path / "bench" / "vanilla" / "metrics.jsonl").read_text().splitlines()
+    ]
     assert all(m.get("spec/reused_tokens", 0) == 0 for m in vanilla)
