@@ -27,6 +27,7 @@ def run_bench(cfg: Config, out_dir: Path, log=print) -> dict[str, Any]:
         arm_cfg = cfg.model_copy(deep=True)
         arm_cfg.rollout.spec.enabled = arm == "spec"
         arm_cfg.trainer.output_dir = str(out_dir / arm)
+        arm_cfg.trainer.resume_mode = "disable"  # a benchmark always measures a fresh run
         arm_cfg.trainer.experiment_name = f"{cfg.trainer.experiment_name}-{arm}"
         log(f"bench: training the {arm} arm into {out_dir / arm}")
         trainer = Trainer(arm_cfg, Tracker(arm_cfg.trainer.logger, arm_cfg.trainer.run_dir))

@@ -163,6 +163,13 @@ class TrainerConfig(Section):
     save_freq: int = Field(
         0, ge=0, description="checkpoint every this many steps; 0 only at the end"
     )
+    max_ckpt_to_keep: int | None = Field(
+        None, ge=1, description="keep only the newest this many checkpoints; None keeps all"
+    )
+    resume_mode: str = Field(
+        "auto",
+        description="auto: resume from the run's newest checkpoint; disable: start over; or a checkpoint path",
+    )
     seed: int = Field(1, ge=0, description="seed of data order, sampling and initialisation")
     num_threads: int | None = Field(None, ge=1, description="torch CPU threads; None: all cores")
     logger: list[Literal["console", "jsonl"]] = Field(

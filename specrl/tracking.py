@@ -38,11 +38,18 @@ class Tracker:
         self.jsonl = run_dir / "metrics.jsonl" if "jsonl" in loggers else None
         self.history: list[dict[str, float]] = []
 
-    def start(self) -> None:
-        """Begin a fresh metrics.jsonl; called once everything the run needs has loaded."""
-        if self.jsonl is not None:
-            self.jsonl.parent.mkdir(parents=True, exist_ok=True)
-            self.jsonl.write_text("")
+    def start(self, keep_through_step: int | None = None) -> None:
+        """Begin metrics.jsonl once everything the run needs has loaded: fresh, or, when resuming,
+        keeping the records up to the resumed step (later ones were not checkpointed)."""
+        if self.jsonl is None:
+            return
+        self.jsonl.parent.mkdir(parents=True, exist_ok=True)
+        if keep_through_step is not None and self.jsonl.is_file():
+            records = [
+                json.loads(line) for line in self.jsonl.read_text().splitlines() if line.strip()
+            ]
+            self.history = [m for m in records if m["training/global_step"] <= keep_through_step]
+        self.jsonl.write_text("".join(json.dumps(m) + "\n" for m in self.history))
 
     def print(self, message: str) -> None:
         if self.use_console:
@@ -65,13 +72,13 @@ class Tracker:
         return next((m[key] for m in reversed(self.history) if key in m), None)
 
     @contextmanager
-    def progress(self, total: int) -> Iterator[Callable[[dict[str, float]], None]]:
+    def progress(self, total: int, done: int = 0) -> Iterator[Callable[[dict[str, float]], None]]:
         columns = (
             TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
             TimeRemainingColumn(), TextColumn("{task.description}"),
         )  # fmt: skip
         with Progress(*columns, console=self.console, disable=not self.use_console) as bar:
-            task = bar.add_task("", total=total)
+            task = bar.add_task("", total=total, completed=done)
 
             def advance(metrics: dict[str, float]) -> None:
                 live = {short: self.last(key) for key, short in LIVE_METRICS.items()}

@@ -29,7 +29,7 @@ from specrl.algorithms.losses import (
     kl_penalty,
     ppo_clip_loss,
 )
-from specrl.checkpoint import save_checkpoint
+from specrl.checkpoint import load_trainer_state, resolve_resume, restore, save_checkpoint
 from specrl.config import Config, save_config
 from specrl.data import PromptLoader, load_prompts, prompt_text
 from specrl.engines import GREEDY, SamplingParams
@@ -150,14 +150,14 @@ class Trainer:
         if cfg.trainer.num_threads:
             torch.set_num_threads(cfg.trainer.num_threads)
         seed_everything(cfg.trainer.seed)
+        self.resume_from = resolve_resume(cfg.trainer.resume_mode, self.run_dir)
+        state = load_trainer_state(self.resume_from) if self.resume_from else None
         self.policy, self.tokenizer = load_policy(
-            cfg.model.path, cfg.model.dtype, log=self.tracker.print
+            str(self.resume_from) if self.resume_from else cfg.model.path,
+            cfg.model.dtype,
+            log=self.tracker.print,
         )
-        self.reference = (
-            copy.deepcopy(self.policy).eval().requires_grad_(False)
-            if cfg.actor.use_kl_loss
-            else None
-        )
+        self.reference = self._reference_policy() if cfg.actor.use_kl_loss else None
         eos = self.policy.generation_config.eos_token_id
         eos_ids = [eos] if isinstance(eos, int) else list(eos or [self.tokenizer.eos_token_id])
         # The engine wraps the trainer's own model object: weights are shared, no sync needed.
@@ -201,17 +201,37 @@ class Trainer:
         self.global_step = 0
         steps = cfg.trainer.total_epochs * self.loader.steps_per_epoch
         self.total_steps = min(steps, cfg.trainer.total_training_steps or steps)
+        if state is not None:
+            restore(self, state)
+
+    def _reference_policy(self) -> PreTrainedModel:
+        """The frozen KL reference: the initial policy, also when resuming from a checkpoint."""
+        if self.resume_from is None:
+            reference = copy.deepcopy(self.policy)
+        else:
+            reference = load_policy(
+                self.cfg.model.path, self.cfg.model.dtype, log=self.tracker.print
+            )[0]
+        return reference.eval().requires_grad_(False)
 
     # ---------------------------------------------------------------- loop
     def fit(self) -> dict[str, float]:
         save_config(self.cfg, self.run_dir / "config.yaml")
-        self.tracker.start()
+        if self.resume_from is not None:
+            self.tracker.print(
+                f"resuming from {self.resume_from} at step {self.global_step} "
+                "(trainer.resume_mode=disable starts over)"
+            )
+            self.tracker.start(keep_through_step=self.global_step)
+        else:
+            self.tracker.start()
+            if self.cfg.trainer.val_before_train:
+                self.tracker.log({"training/global_step": 0, **self.validate()})
         summary: dict[str, float] = {}
-        if self.cfg.trainer.val_before_train:
-            val = self.validate()
-            summary["val_acc_before"] = val["val/acc/mean@1"]
-            self.tracker.log({"training/global_step": 0, **val})
-        with self.tracker.progress(self.total_steps) as advance:
+        first = self.tracker.history[0] if self.tracker.history else {}
+        if first.get("training/global_step") == 0 and "val/acc/mean@1" in first:
+            summary["val_acc_before"] = first["val/acc/mean@1"]
+        with self.tracker.progress(self.total_steps, self.global_step) as advance:
             while self.global_step < self.total_steps:
                 self.global_step += 1
                 metrics = self.train_step()

@@ -1,8 +1,12 @@
+import json
+
 import pytest
 import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
+from specrl.config import load_config
 from specrl.engines.hf import HFEngine
+from specrl.toy_policy import build_tokenizer
 
 EOS = 1
 PAD = 0
@@ -34,3 +38,38 @@ def tiny_model() -> Qwen2ForCausalLM:
 @pytest.fixture
 def engine(tiny_model) -> HFEngine:
     return HFEngine(tiny_model, eos_token_ids=[EOS], pad_token_id=PAD)
+
+
+@pytest.fixture(scope="session")
+def tiny_policy_dir(tmp_path_factory):
+    """A random tiny Qwen2 over the built-in character tokenizer, saved as a local HF directory."""
+    path = tmp_path_factory.mktemp("tiny-policy")
+    tokenizer = build_tokenizer()
+    torch.manual_seed(0)
+    model = Qwen2ForCausalLM(
+        Qwen2Config(
+            vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+            num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=128,
+            eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+        )
+    )  # fmt: skip
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+def small_config(policy_dir, out_dir, *overrides):
+    return load_config(
+        None,
+        [
+            f"model.path={policy_dir}", f"trainer.output_dir={out_dir}", "trainer.logger=[jsonl]",
+            "data.train_size=16", "data.val_size=8", "data.train_batch_size=4", "rollout.n=4",
+            "actor.ppo_mini_batch_size=2", "actor.ppo_micro_batch_size=3", "data.max_response_length=12",
+            "trainer.total_training_steps=2", "trainer.test_freq=1", "trainer.save_freq=1", *overrides,
+        ],
+    )  # fmt: skip
+
+
+def read_metrics(run_dir):
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]

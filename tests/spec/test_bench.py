@@ -2,10 +2,10 @@ import json
 import math
 
 from specrl.bench import run_bench
-from tests.test_trainer import small_config, tiny_policy_dir  # noqa: F401  (fixture)
+from tests.conftest import small_config
 
 
-def test_bench_trains_both_arms_and_writes_json_and_plot(tiny_policy_dir, tmp_path):  # noqa: F811
+def test_bench_trains_both_arms_and_writes_json_and_plot(tiny_policy_dir, tmp_path):
     # 8 training prompts, 4 per step: every prompt is seen again from step 3 on, so drafts exist
     cfg = small_config(
         tiny_policy_dir, tmp_path / "unused", "data.train_size=8", "trainer.total_training_steps=4",
