@@ -273,6 +273,8 @@ class Trainer:
             ).flatten()  # [N]
         with timed(metrics, "update_actor"):
             metrics.update(self.update_policy(batch, old_logprobs, ref_logprobs, advantages))
+        with timed(metrics, "sync"):  # shared weights: copies nothing, drops the prefix cache
+            self.engine.load_weights(self.policy.state_dict())
         metrics["timing_s/step"] = time.perf_counter() - step_start
         metrics.update(self._data_metrics(rollouts, scores, advantages, metrics["timing_s/step"]))
         metrics["training/epoch"] = self.loader.epoch

@@ -68,8 +68,9 @@ def test_finished_sequences_leave_the_batch(engine, tiny_model):
         [GenRequest([3, 4], 2, seed=1), GenRequest([5, 6], 5, seed=2), GenRequest([7], 0)]
     )
     hook.remove()
-    # prefill with the two live requests, one more step for both, then only the longer one
-    assert batch_sizes == [2, 2, 1, 1, 1]
+    # prefill of both contexts but their last token, two steps for both (feeding that token, then
+    # the first sampled one), then only the longer request for its remaining three tokens
+    assert batch_sizes == [2, 2, 2, 1, 1, 1]
 
 
 def test_budget_and_eos_finish_reasons(engine):
@@ -152,3 +153,37 @@ def test_identical_score_requests_are_computed_once(engine, tiny_model):
     assert torch.equal(scored[0], scored[2]) and torch.equal(scored[1], scored[4])
     # the same tokens split differently: the shared targets get the same logprobs
     assert torch.allclose(scored[0][1:], scored[1], atol=1e-5)
+
+
+def test_decoding_after_score_reuses_the_scored_prefix(tiny_model):
+    """Continuing prompt + draft[:k] after scoring prompt + draft takes the prefix's KV from the
+    score pass: no prefill pass, same tokens and logprobs as a cold engine."""
+    drafts = [[5, 6, 7, 8, 9], [2, 2, 3], [4, 4, 4, 4]]
+    cuts = [2, 0, 4]
+    requests = [
+        GenRequest(PROMPTS[i], 6, seed=i, prefix_ids=d[:k])
+        for i, (d, k) in enumerate(zip(drafts, cuts, strict=True))
+    ]
+    requests += [GenRequest(PROMPTS[3], 6, seed=9), GenRequest([11, 3, 3], 6, seed=8)]  # misses
+    cold = HFEngine(tiny_model, [EOS], PAD).generate(requests)
+
+    warm = HFEngine(tiny_model, [EOS], PAD)
+    warm.score([ScoreRequest(PROMPTS[i], d) for i, d in enumerate(drafts)])
+    passes = []
+    hook = tiny_model.model.register_forward_hook(
+        lambda m, args, kwargs, out: passes.append(tuple(kwargs["input_ids"].shape)),
+        with_kwargs=True,
+    )
+    hot = warm.generate(requests)
+    hook.remove()
+    assert passes[0] == (1, 2)  # only the context of [11, 3, 3] needed a prefill ([8] has no head)
+    for a, b in zip(cold, hot, strict=True):
+        assert a.token_ids == b.token_ids
+        assert torch.allclose(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-5)
+
+
+def test_load_weights_invalidates_the_prefix_cache(engine, tiny_model):
+    engine.score([ScoreRequest(PROMPTS[0], [5, 6])])
+    assert engine._prefix_cache.find(list(PROMPTS[0])) is not None
+    engine.load_weights(tiny_model.state_dict())  # shared tensors: nothing copied
+    assert engine._prefix_cache.find(list(PROMPTS[0])) is None

@@ -34,6 +34,7 @@ class HFEngine:
         self.pad_token_id = pad_token_id
         self.max_batch_size = max_batch_size
         self.forward_passes = 0  # model calls made by generate/score, for cost accounting
+        self._prefix_cache = PrefixCache()
 
     @classmethod
     def from_pretrained(
@@ -71,22 +72,24 @@ class HFEngine:
         if not live:
             return results
         contexts = [list(requests[i].prompt_ids) + list(requests[i].prefix_ids) for i in live]
-        ids, attention = _left_pad(contexts, self.pad_token_id, self.device)  # [B, T]
-        positions = (attention.cumsum(-1) - 1).clamp(min=0)
-        cache = DynamicCache()
-        logits = self._forward(ids, attention, positions, cache, last_only=True)[:, -1]  # [B, V]
+        # KV of every context but its last token; that token is the first one fed below.
+        cache, attention = self._prefill(contexts)  # attention [B, W]
+        tokens = torch.tensor([c[-1] for c in contexts], device=self.device)  # [B] fed next
+        positions = torch.tensor([len(c) - 1 for c in contexts], device=self.device)
         rows = torch.tensor(live, device=self.device)  # request index of each batch row
-        next_pos = attention.sum(-1)  # [B] position of the token being sampled
         seeds = torch.tensor([requests[i].seed for i in live], device=self.device)
         budgets = torch.tensor([requests[i].max_new_tokens for i in live], device=self.device)
         eos = torch.tensor(sorted(self.eos_token_ids), device=self.device)
         params = [requests[i].sampling for i in live]
-        produced = 0
         rejected = [requests[i].reject_token for i in live]
+        produced = 0
         while True:
+            attention = torch.cat([attention, attention.new_ones(len(rows), 1)], dim=1)
+            logits = self._forward(tokens[:, None], attention, positions[:, None], cache)[:, -1]
+            positions = positions + 1  # position of the token being sampled
             logprobs = sampling_logprobs(logits, params)  # [B, V]
             draw_from = _residual(logprobs, rejected) if produced == 0 else logprobs
-            tokens = sample_from_logprobs(draw_from, seeded_uniform(seeds, next_pos))  # [B]
+            tokens = sample_from_logprobs(draw_from, seeded_uniform(seeds, positions))  # [B]
             token_logprobs = logprobs.gather(1, tokens[:, None]).squeeze(1)
             produced += 1
             for row, token, lp in zip(
@@ -105,15 +108,44 @@ class HFEngine:
             if bool(finished.any()):
                 keep = (~finished).nonzero().squeeze(1)
                 cache.batch_select_indices(keep)
-                rows, tokens, next_pos, seeds, budgets, attention = (
-                    t[keep] for t in (rows, tokens, next_pos, seeds, budgets, attention)
+                rows, tokens, positions, seeds, budgets, attention = (
+                    t[keep] for t in (rows, tokens, positions, seeds, budgets, attention)
                 )
                 params = [params[i] for i in keep.tolist()]
-            attention = torch.cat([attention, attention.new_ones(len(rows), 1)], dim=1)
-            logits = self._forward(
-                tokens[:, None], attention, next_pos[:, None], cache, last_only=True
-            )[:, -1]
-            next_pos = next_pos + 1
+
+    def _prefill(self, contexts: list[list[int]]) -> tuple[DynamicCache, torch.Tensor]:
+        """KV cache and attention mask [B, W] for each context minus its last token. Rows whose
+        tokens were just scored take their KV from the prefix cache (the rejected draft tokens
+        after them stay in the cache, masked out); the rest are computed in one forward pass."""
+        heads = [c[:-1] for c in contexts]
+        hits = {i: hit for i, h in enumerate(heads) if (hit := self._prefix_cache.find(h))}
+        compute = [i for i in range(len(heads)) if i not in hits and heads[i]]
+        empty = [i for i in range(len(heads)) if i not in hits and not heads[i]]
+        parts: list[tuple[list[int], list[torch.Tensor], torch.Tensor]] = []  # rows, KV, mask
+        if compute:
+            ids, attention = _left_pad([heads[i] for i in compute], self.pad_token_id, self.device)
+            cache = DynamicCache()
+            positions = (attention.cumsum(-1) - 1).clamp(min=0)
+            self._forward(ids, attention, positions, cache, last_only=True)
+            parts.append((compute, _layers_kv(cache), attention))
+        if empty:  # single-token contexts: nothing to prefill
+            parts.append(
+                (empty, [], torch.zeros(len(empty), 0, dtype=torch.long, device=self.device))
+            )
+        for batch, group in _group_by_batch(hits).items():
+            kv, valid = self._prefix_cache.batches[batch]
+            rows = torch.tensor([hits[i][1] for i in group], device=self.device)
+            attention = torch.zeros(
+                len(group), valid.shape[1], dtype=torch.long, device=self.device
+            )
+            for j, i in enumerate(group):  # keep only the head of each cached row
+                start = int(valid[hits[i][1]].argmax())  # its first real (non-pad) column
+                attention[j, start : start + len(heads[i])] = 1
+            parts.append((group, [t.index_select(0, rows) for t in kv], attention))
+        if not any(kv for _, kv, _ in parts):  # nothing cached, nothing to prefill
+            width = torch.zeros(len(contexts), 0, dtype=torch.long, device=self.device)
+            return DynamicCache(), width
+        return _merge(parts)
 
     @torch.no_grad()
     def score(self, requests: Sequence[ScoreRequest]) -> list[torch.Tensor]:
@@ -126,6 +158,7 @@ class HFEngine:
             if key not in index:
                 index[key] = len(distinct)
                 distinct.append(r)
+        self._prefix_cache = PrefixCache()
         scored: list[torch.Tensor] = []
         for start in range(0, len(distinct), self.max_batch_size):
             scored.extend(self._score_batch(distinct[start : start + self.max_batch_size]))
@@ -137,7 +170,9 @@ class HFEngine:
         sequences = [list(r.context_ids) + list(r.target_ids) for r in requests]
         ids, attention = _left_pad(sequences, self.pad_token_id, self.device)  # [B, T]
         positions = (attention.cumsum(-1) - 1).clamp(min=0)
-        logits = self._forward(ids, attention, positions, cache=None)  # [B, T, V]
+        cache = DynamicCache()
+        logits = self._forward(ids, attention, positions, cache)  # [B, T, V]
+        self._prefix_cache.add(sequences, _layers_kv(cache), attention)
         # Targets are right-aligned: the logits at column t predict the token at column t + 1.
         n = max(len(r.target_ids) for r in requests)
         predicting = logits[:, -n - 1 : -1]  # [B, n, V]
@@ -149,12 +184,15 @@ class HFEngine:
         ]
 
     def load_weights(self, state: Mapping[str, torch.Tensor]) -> None:
+        """Copy new weights in (nothing to copy for tensors that already are the engine's, as when
+        it wraps the trainer's model) and drop the prefix cache, which the old weights made."""
+        self._prefix_cache = PrefixCache()
         params = dict(self.model.named_parameters())
         with torch.no_grad():
             for name, tensor in state.items():
                 if name not in params:
                     raise KeyError(f"engine model has no parameter {name!r}")
-                if params[name] is not tensor:
+                if params[name].data_ptr() != tensor.data_ptr():
                     params[name].copy_(tensor)
 
     def _forward(
@@ -203,3 +241,68 @@ def _left_pad(
             ids[row, width - len(seq) :] = torch.tensor(seq)
             attention[row, width - len(seq) :] = 1
     return ids.to(device), attention.to(device)
+
+
+class PrefixCache:
+    """KV of the sequences the last `score` call computed, so decoding that continues a scored
+    sequence (prompt + draft[:k]) does not compute its prefix again. Valid until the next
+    `score` or `load_weights`."""
+
+    def __init__(self) -> None:
+        self.batches: list[tuple[list[torch.Tensor], torch.Tensor]] = []  # per-layer KV, mask
+        self._rows: dict[int, list[tuple[int, int, tuple[int, ...]]]] = {}  # by first token
+
+    def add(
+        self, sequences: list[list[int]], kv: list[torch.Tensor], attention: torch.Tensor
+    ) -> None:
+        batch = len(self.batches)
+        self.batches.append((kv, attention))
+        for row, seq in enumerate(sequences):
+            self._rows.setdefault(seq[0], []).append((batch, row, tuple(seq)))
+
+    def find(self, head: list[int]) -> tuple[int, int] | None:
+        """(batch, row) of a cached sequence that starts with `head`, if any."""
+        if not head:
+            return None
+        for batch, row, seq in self._rows.get(head[0], ()):
+            if len(seq) >= len(head) and list(seq[: len(head)]) == head:
+                return batch, row
+        return None
+
+
+def _layers_kv(cache: DynamicCache) -> list[torch.Tensor]:
+    """[K_0, V_0, K_1, V_1, ...], each [B, heads, T, head_dim]."""
+    return [t for layer in cache.layers for t in (layer.keys, layer.values)]
+
+
+def _group_by_batch(hits: dict[int, tuple[int, int]]) -> dict[int, list[int]]:
+    groups: dict[int, list[int]] = {}
+    for i, (batch, _) in hits.items():
+        groups.setdefault(batch, []).append(i)
+    return groups
+
+
+def _merge(
+    parts: list[tuple[list[int], list[torch.Tensor], torch.Tensor]],
+) -> tuple[DynamicCache, torch.Tensor]:
+    """One left-padded cache from row groups of different widths, rows in their original order."""
+    width = max(mask.shape[1] for _, _, mask in parts)
+    order = torch.tensor([i for rows, _, _ in parts for i in rows]).argsort()
+    masks = torch.cat(
+        [torch.nn.functional.pad(mask, (width - mask.shape[1], 0)) for _, _, mask in parts]
+    )
+    cache = DynamicCache()
+    layers = max(len(kv) for _, kv, _ in parts) // 2
+    for layer in range(layers):
+        keys, values = [], []
+        for rows, kv, _ in parts:
+            if kv:
+                k, v = kv[2 * layer], kv[2 * layer + 1]
+            else:  # a group with nothing to prefill: empty KV of the right shape
+                ref = next(kv for _, kv, _ in parts if kv)[2 * layer]
+                k = v = ref.new_zeros(len(rows), ref.shape[1], 0, ref.shape[3])
+            pad = (0, 0, width - k.shape[2], 0)
+            keys.append(torch.nn.functional.pad(k, pad))
+            values.append(torch.nn.functional.pad(v, pad))
+        cache.update(torch.cat(keys)[order], torch.cat(values)[order], layer)
+    return cache, masks[order]
