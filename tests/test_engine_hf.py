@@ -182,6 +182,26 @@ def test_decoding_after_score_reuses_the_scored_prefix(tiny_model):
         assert torch.allclose(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-5)
 
 
+def test_load_weights_copies_new_weights_including_tied_ones():
+    model = make_tiny_model(seed=0)
+    model.config.tie_word_embeddings = True
+    model.tie_weights()
+    engine = HFEngine(model, [EOS], PAD)
+    other = make_tiny_model(seed=1)
+    other.config.tie_word_embeddings = True
+    other.tie_weights()
+    request = [GenRequest(PROMPTS[0], 8, GREEDY)]
+    assert (
+        engine.generate(request)[0].token_ids
+        != HFEngine(other, [EOS], PAD).generate(request)[0].token_ids
+    )
+    engine.load_weights(other.state_dict())
+    assert (
+        engine.generate(request)[0].token_ids
+        == HFEngine(other, [EOS], PAD).generate(request)[0].token_ids
+    )
+
+
 def test_load_weights_invalidates_the_prefix_cache(engine, tiny_model):
     engine.score([ScoreRequest(PROMPTS[0], [5, 6])])
     assert engine._prefix_cache.find(list(PROMPTS[0])) is not None

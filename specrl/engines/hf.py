@@ -187,7 +187,7 @@ class HFEngine:
         """Copy new weights in (nothing to copy for tensors that already are the engine's, as when
         it wraps the trainer's model) and drop the prefix cache, which the old weights made."""
         self._prefix_cache = PrefixCache()
-        params = dict(self.model.named_parameters())
+        params = self.model.state_dict(keep_vars=True)  # tied weights appear under each name
         with torch.no_grad():
             for name, tensor in state.items():
                 if name not in params:
