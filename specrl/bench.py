@@ -15,10 +15,17 @@ import torch
 import transformers
 
 from specrl.config import Config
+from specrl.plots import plot_metrics
 from specrl.tracking import Tracker
 from specrl.trainer import Trainer
 
 ARMS = ("vanilla", "spec")
+BENCH_PANELS = [
+    ("timing_s/rollout", "rollout time per step (s)"),
+    ("critic/score/mean", "reward (critic/score/mean)"),
+    ("val/acc/mean@1", "held-out accuracy (val/acc/mean@1)"),
+    ("spec/reused_token_ratio", "reused token ratio"),
+]
 
 
 def run_bench(cfg: Config, out_dir: Path, log=print) -> dict[str, Any]:
@@ -36,7 +43,7 @@ def run_bench(cfg: Config, out_dir: Path, log=print) -> dict[str, Any]:
     result = summarize(histories["vanilla"], histories["spec"], cfg)
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "bench.json").write_text(json.dumps(result, indent=2))
-    plot(histories, out_dir / "bench.png")
+    plot_metrics(histories, BENCH_PANELS, out_dir / "bench.png")
     return result
 
 
@@ -104,33 +111,3 @@ def _reuse(steps: list[dict[str, float]]) -> float:
 
 def _last(history: list[dict[str, float]], key: str) -> float | None:
     return next((m[key] for m in reversed(history) if key in m), None)
-
-
-def plot(histories: dict[str, list[dict[str, float]]], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    panels = [
-        ("timing_s/rollout", "rollout time per step (s)"),
-        ("critic/score/mean", "reward (critic/score/mean)"),
-        ("val/acc/mean@1", "held-out accuracy (val/acc/mean@1)"),
-        ("spec/reused_token_ratio", "reused token ratio"),
-    ]
-    fig, axes = plt.subplots(2, 2, figsize=(11, 7))
-    for ax, (key, title) in zip(axes.flat, panels, strict=True):
-        for arm, history in histories.items():
-            points = [(m["training/global_step"], m[key]) for m in history if key in m]
-            if points:
-                ax.plot(
-                    *zip(*points, strict=True),
-                    label=arm,
-                    marker="." if key.startswith("val/") else None,
-                )
-        ax.set_title(title)
-        ax.set_xlabel("step")
-        ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)

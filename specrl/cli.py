@@ -31,6 +31,10 @@ def main(argv: list[str] | None = None) -> int:
         metavar="key=value",
         help="dotted overrides, e.g. rollout.spec.acceptance=exact",
     )
+    report = commands.add_parser(
+        "report", help="plot a run's metrics (RUN_DIR/report.png) and print a summary"
+    )
+    report.add_argument("run_dir", help="the run's trainer.output_dir")
     toy = commands.add_parser("toy-policy", help="build (or show) the cached built-in tiny policy")
     toy.add_argument("--force", action="store_true", help="rebuild even when cached")
     args = parser.parse_args(argv)
@@ -40,6 +44,8 @@ def main(argv: list[str] | None = None) -> int:
             return _train(args.config, args.overrides)
         if args.command == "bench":
             return _bench(args.config, args.out, args.overrides)
+        if args.command == "report":
+            return _report(args.run_dir)
         return _toy_policy(args.force)
     except UserError as err:
         print(f"specrl: error: {err}", file=sys.stderr)
@@ -71,6 +77,15 @@ def _bench(config_path: str | None, out: str, overrides: list[str]) -> int:
 
     result = run_bench(load_config(config_path, overrides), Path(out))
     print(json.dumps(result, indent=2))
+    return 0
+
+
+def _report(run_dir: str) -> int:
+    from pathlib import Path
+
+    from specrl.report import report
+
+    print(f"wrote {report(Path(run_dir))}")
     return 0
 
 

@@ -171,6 +171,11 @@ class TrainerConfig(Section):
         description="auto: resume from the run's newest checkpoint; disable: start over; or a checkpoint path",
     )
     seed: int = Field(1, ge=0, description="seed of data order, sampling and initialisation")
+    max_bad_steps: int = Field(
+        3,
+        ge=1,
+        description="stop, after saving, when this many steps in a row had non-finite losses",
+    )
     num_threads: int | None = Field(None, ge=1, description="torch CPU threads; None: all cores")
     logger: list[Literal["console", "jsonl"]] = Field(
         ["console", "jsonl"], description="where metrics go"

@@ -45,6 +45,10 @@ from specrl.types import Prompt, Rollout
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
+class TrainingDivergedError(UserError):
+    """Training cannot continue: repeated non-finite losses or gradients."""
+
+
 class ModelLoadError(UserError):
     """The configured model directory is missing or unusable."""
 
@@ -199,6 +203,7 @@ class Trainer:
             self.optimizer, lambda s: min(1.0, (s + 1) / (warmup + 1))
         )
         self.global_step = 0
+        self.bad_steps = 0  # consecutive steps with skipped (non-finite) updates
         steps = cfg.trainer.total_epochs * self.loader.steps_per_epoch
         self.total_steps = min(steps, cfg.trainer.total_training_steps or steps)
         if state is not None:
@@ -235,6 +240,7 @@ class Trainer:
             while self.global_step < self.total_steps:
                 self.global_step += 1
                 metrics = self.train_step()
+                self._check_finite(metrics)
                 if self._due(self.cfg.trainer.test_freq):
                     metrics.update(self.validate())
                 if self._due(self.cfg.trainer.save_freq):
@@ -246,6 +252,23 @@ class Trainer:
             summary["val_acc_after"] = last
         self.tracker.summary(summary)
         return summary
+
+    def _check_finite(self, metrics: dict[str, float]) -> None:
+        """Skipped updates are reported every step; trainer.max_bad_steps in a row stop the run
+        after saving a checkpoint (of the last good weights: bad updates are never applied)."""
+        skipped = metrics["actor/skipped_updates"]
+        self.bad_steps = self.bad_steps + 1 if skipped else 0
+        if skipped:
+            self.tracker.warn(
+                f"step {self.global_step}: {skipped} updates skipped (non-finite loss or gradient)"
+            )
+        if self.bad_steps >= self.cfg.trainer.max_bad_steps:
+            self.tracker.log(metrics)
+            path = save_checkpoint(self)
+            raise TrainingDivergedError(
+                f"{self.bad_steps} steps in a row had non-finite losses or gradients; stopped after "
+                f"saving {path}. Lower actor.optim.lr or actor.grad_clip, or check the reward scale"
+            )
 
     def _due(self, freq: int) -> bool:
         return self.global_step == self.total_steps or (freq > 0 and self.global_step % freq == 0)
@@ -376,6 +399,7 @@ class Trainer:
             self.cfg.trainer.seed * 1_000_003 + self.global_step
         )
         sums: dict[str, list[float]] = defaultdict(list)
+        skipped = 0
         self.policy.train()
         for _ in range(actor.ppo_epochs):
             order = torch.randperm(num, generator=generator)
@@ -413,11 +437,12 @@ class Trainer:
                 sums["actor/grad_norm"].append(grad_norm.item())
                 if torch.isfinite(grad_norm):
                     self.optimizer.step()
-                else:
-                    sums["actor/skipped_updates"].append(1.0)
-                self.scheduler.step()
+                    self.scheduler.step()  # the schedule counts applied updates
+                else:  # a NaN / inf loss or gradient: keep the weights, report the skip
+                    skipped += 1
         self.policy.eval()
         metrics = {k: float(np.mean(v)) for k, v in sums.items()}
+        metrics["actor/skipped_updates"] = skipped
         metrics["actor/lr"] = self.scheduler.get_last_lr()[0]
         return metrics
 

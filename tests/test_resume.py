@@ -101,3 +101,40 @@ def test_sigkill_during_a_checkpoint_save_leaves_the_last_good_one(tiny_policy_d
     resumed.fit()
     steps = [m["training/global_step"] for m in read_metrics(run)]
     assert steps[-1] == 40 and steps == sorted(set(steps))  # no step logged twice
+
+
+def test_non_finite_losses_are_skipped_then_stop_the_run_after_saving(
+    tiny_policy_dir, tmp_path, monkeypatch
+):
+    import dataclasses
+
+    import torch
+
+    from specrl import trainer as trainer_module
+    from specrl.trainer import TrainingDivergedError
+
+    real = trainer_module.ppo_clip_loss
+
+    def nan_loss(*args, **kwargs):
+        out = real(*args, **kwargs)
+        return dataclasses.replace(out, loss=out.loss * float("nan"))
+
+    monkeypatch.setattr(trainer_module, "ppo_clip_loss", nan_loss)
+    cfg = small_config(
+        tiny_policy_dir,
+        tmp_path,
+        "trainer.total_training_steps=5",
+        "trainer.max_bad_steps=2",
+        "trainer.save_freq=0",
+    )
+    trainer = Trainer(cfg)
+    before = {k: v.clone() for k, v in trainer.policy.state_dict().items()}
+    with pytest.raises(TrainingDivergedError, match="2 steps in a row had non-finite losses"):
+        trainer.fit()
+    steps = read_metrics(tmp_path)[1:]
+    assert [m["training/global_step"] for m in steps] == [1, 2]
+    assert all(m["actor/skipped_updates"] > 0 for m in steps)
+    assert (tmp_path / "checkpoints" / "global_step_2" / "trainer_state.pt").is_file()
+    assert all(
+        torch.equal(before[k], v) for k, v in trainer.policy.state_dict().items()
+    )  # never applied

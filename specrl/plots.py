@@ -1,0 +1,37 @@
+"""Metric curves from metrics.jsonl histories, one panel per metric, one line per run."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+
+def plot_metrics(
+    histories: dict[str, list[dict[str, float]]], panels: Sequence[tuple[str, str]], path: Path
+) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    columns = 2
+    rows = (len(panels) + columns - 1) // columns
+    fig, axes = plt.subplots(rows, columns, figsize=(11, 3.5 * rows), squeeze=False)
+    for ax in axes.flat[len(panels) :]:
+        ax.set_visible(False)
+    for ax, (key, title) in zip(axes.flat, panels, strict=False):
+        for label, history in histories.items():
+            points = [(m["training/global_step"], m[key]) for m in history if key in m]
+            if points:
+                ax.plot(
+                    *zip(*points, strict=True),
+                    label=label,
+                    marker="." if key.startswith("val/") else None,
+                )
+        ax.set_title(title)
+        ax.set_xlabel("step")
+        if len(histories) > 1:
+            ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)

@@ -1,0 +1,75 @@
+"""`specrl report RUN_DIR`: curves (report.png) and a summary table of a run's metrics.jsonl."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from rich.console import Console
+from rich.table import Table
+
+from specrl.errors import UserError
+from specrl.plots import plot_metrics
+
+REPORT_PANELS = [
+    ("critic/score/mean", "reward (critic/score/mean)"),
+    ("val/acc/mean@1", "held-out accuracy (val/acc/mean@1)"),
+    ("response_length/mean", "response length (tokens)"),
+    ("spec/reused_token_ratio", "reused token ratio"),
+    ("timing_s/rollout", "rollout time per step (s)"),
+]
+
+
+def read_history(run_dir: Path) -> list[dict[str, float]]:
+    path = run_dir / "metrics.jsonl"
+    if not path.is_file():
+        raise UserError(f"{run_dir} has no metrics.jsonl; pass the trainer.output_dir of a run")
+    history = []
+    for number, line in enumerate(path.read_text().splitlines(), start=1):
+        if line.strip():
+            try:
+                history.append(json.loads(line))
+            except json.JSONDecodeError:
+                raise UserError(f"{path} line {number} is not valid JSON") from None
+    if not history:
+        raise UserError(f"{path} is empty: the run logged no step yet")
+    return history
+
+
+def report(run_dir: Path, console: Console | None = None) -> Path:
+    history = read_history(run_dir)
+    out = run_dir / "report.png"
+    plot_metrics({run_dir.name: history}, REPORT_PANELS, out)
+    steps = [m for m in history if m["training/global_step"] > 0]
+    vals = [m["val/acc/mean@1"] for m in history if "val/acc/mean@1" in m]
+    rows = {
+        "steps": len(steps),
+        "val/acc/mean@1 first → last": f"{vals[0]:.3f} → {vals[-1]:.3f}"
+        if vals
+        else "not evaluated",
+        "critic/score/mean, last step": _fmt(steps[-1].get("critic/score/mean") if steps else None),
+        "response_length/mean, last step": _fmt(
+            steps[-1].get("response_length/mean") if steps else None
+        ),
+        "spec/reused_token_ratio, mean": _fmt(_mean(steps, "spec/reused_token_ratio")),
+        "rollout time per step (s), mean": _fmt(_mean(steps, "timing_s/rollout")),
+        "step time (s), mean": _fmt(_mean(steps, "timing_s/step")),
+        "reward errors, total": _fmt(sum(m.get("reward/errors", 0) for m in steps)),
+        "skipped updates, total": _fmt(sum(m.get("actor/skipped_updates", 0) for m in steps)),
+    }
+    table = Table(title=f"specrl report: {run_dir}")
+    table.add_column("metric")
+    table.add_column("value", justify="right")
+    for name, value in rows.items():
+        table.add_row(name, str(value))
+    (console or Console()).print(table)
+    return out
+
+
+def _mean(steps: list[dict[str, float]], key: str) -> float | None:
+    values = [m[key] for m in steps if key in m]
+    return sum(values) / len(values) if values else None
+
+
+def _fmt(value: float | None) -> str:
+    return "n/a" if value is None else f"{value:.4g}"
