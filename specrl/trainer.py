@@ -164,7 +164,8 @@ class Trainer:
         self.reference = self._reference_policy() if cfg.actor.use_kl_loss else None
         eos = self.policy.generation_config.eos_token_id
         eos_ids = [eos] if isinstance(eos, int) else list(eos or [self.tokenizer.eos_token_id])
-        # The engine wraps the trainer's own model object: weights are shared, no sync needed.
+        # The engine wraps the trainer's own model object: weights are shared, so the sync after
+        # each update copies nothing (it only drops the engine's prefix cache).
         self.engine = HFEngine(
             self.policy, eos_ids, self.tokenizer.pad_token_id, cfg.rollout.max_batch_size
         )
