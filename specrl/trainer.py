@@ -35,12 +35,12 @@ from specrl.data import PromptLoader, load_prompts, prompt_text
 from specrl.engines import GREEDY, SamplingParams
 from specrl.engines.hf import HFEngine
 from specrl.errors import UserError
-from specrl.rewards import load_reward_function
+from specrl.rewards import RewardOutputs, load_reward_function
 from specrl.spec.rollout import RolloutStage, generate_rollouts
 from specrl.spec.store import RolloutStore
 from specrl.toy_policy import ensure_toy_policy
 from specrl.tracking import Tracker
-from specrl.types import Prompt, Rollout
+from specrl.types import Rollout
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -338,13 +338,7 @@ class Trainer:
 
     def score(self, rollouts: list[Rollout], metrics: dict[str, float]) -> torch.Tensor:
         """Reward per rollout [N], with DAPO's soft overlong penalty when enabled."""
-        for r in rollouts:
-            r.text = self.tokenizer.decode(r.token_ids, skip_special_tokens=True)
-        out = self.reward_fn(
-            [r.text for r in rollouts],
-            [r.prompt.example for r in rollouts],
-            [self._prompt_text(r.prompt) for r in rollouts],
-        )
+        out = self.reward(rollouts)
         scores = torch.tensor(out.scores)
         metrics["reward/errors"] = metrics.get("reward/errors", 0) + out.errors
         if out.first_error:
@@ -361,8 +355,15 @@ class Trainer:
             r.score = s
         return scores
 
-    def _prompt_text(self, prompt: Prompt) -> str:
-        return prompt_text(prompt.example, self.tokenizer)
+    def reward(self, rollouts: list[Rollout]) -> RewardOutputs:
+        """Decode each response (kept on the rollout) and run the reward function on the batch."""
+        for r in rollouts:
+            r.text = self.tokenizer.decode(r.token_ids, skip_special_tokens=True)
+        return self.reward_fn(
+            [r.text for r in rollouts],
+            [r.prompt.example for r in rollouts],
+            [prompt_text(r.prompt.example, self.tokenizer) for r in rollouts],
+        )
 
     # ---------------------------------------------------------------- update
     def _logprobs(self, model: PreTrainedModel, batch: TrainBatch) -> torch.Tensor:
@@ -464,13 +465,7 @@ class Trainer:
                 ("val",),
                 self.global_step,
             )
-        for r in rollouts:
-            r.text = self.tokenizer.decode(r.token_ids, skip_special_tokens=True)
-        out = self.reward_fn(
-            [r.text for r in rollouts],
-            [r.prompt.example for r in rollouts],
-            [self._prompt_text(r.prompt) for r in rollouts],
-        )
+        out = self.reward(rollouts)
         return {
             "val/acc/mean@1": float(np.mean(out.scores)),
             "val/response_length/mean": float(np.mean([len(r.token_ids) for r in rollouts])),
