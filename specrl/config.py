@@ -42,7 +42,11 @@ class DataConfig(Section):
     )
     train_size: int = Field(1024, ge=1, description="built-in task: number of training problems")
     val_size: int = Field(200, ge=1, description="built-in task: number of held-out problems")
-    max_prompt_length: int = Field(64, ge=1, description="prompts longer than this are rejected")
+    max_prompt_length: int = Field(64, ge=1, description="most tokens per prompt (see truncation)")
+    truncation: Literal["error", "filter"] = Field(
+        "error",
+        description="prompts over max_prompt_length: error stops, filter drops and counts them",
+    )
     max_response_length: int = Field(72, ge=1, description="R: most tokens per response")
     train_batch_size: int = Field(32, ge=1, description="prompts per training step")
     val_batch_size: int = Field(256, ge=1, description="prompts per evaluation batch")

@@ -67,10 +67,22 @@ def load_policy(
     try:
         tokenizer = AutoTokenizer.from_pretrained(directory)
         model = AutoModelForCausalLM.from_pretrained(directory, dtype=DTYPES[dtype])
-    except (OSError, ValueError) as err:
-        raise ModelLoadError(f"model.path {str(directory)!r} could not be loaded: {err}") from None
+    except Exception as err:  # transformers, safetensors and tokenizers each raise their own
+        first_line = str(err).strip().splitlines()[0] if str(err).strip() else ""
+        raise ModelLoadError(
+            f"model.path {str(directory)!r} could not be loaded ({type(err).__name__}: {first_line}); "
+            "check that its weights and tokenizer files are complete"
+        ) from None
     if tokenizer.pad_token_id is None:
+        if tokenizer.eos_token is None:
+            raise ModelLoadError(
+                f"the tokenizer in {str(directory)!r} has neither a pad nor an eos token; "
+                "add an eos_token to its tokenizer_config.json"
+            )
         tokenizer.pad_token = tokenizer.eos_token
+        log(
+            f"warning: the tokenizer has no pad token; padding with its eos token {tokenizer.eos_token!r}"
+        )
     return model, tokenizer
 
 
@@ -169,7 +181,9 @@ class Trainer:
         self.engine = HFEngine(
             self.policy, eos_ids, self.tokenizer.pad_token_id, cfg.rollout.max_batch_size
         )
-        train, self.val_prompts = load_prompts(cfg.data, self.tokenizer, cfg.trainer.seed)
+        train, self.val_prompts = load_prompts(
+            cfg.data, self.tokenizer, cfg.trainer.seed, log=self.tracker.print
+        )
         self.loader = PromptLoader(
             train, cfg.data.train_batch_size, cfg.data.shuffle, cfg.trainer.seed
         )

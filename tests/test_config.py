@@ -72,3 +72,29 @@ def test_cli_reports_missing_model_path(capsys, tmp_path):
 def test_cli_reports_missing_config_file(capsys, tmp_path):
     assert main(["train", "--config", str(tmp_path / "nope.yaml")]) == 2
     assert "does not exist" in capsys.readouterr().err
+
+
+def test_corrupt_model_weights_and_tokenizer_without_pad_token(tiny_policy_dir, tmp_path, capsys):
+    import shutil
+
+    from specrl.trainer import load_policy
+
+    broken = tmp_path / "broken"
+    shutil.copytree(tiny_policy_dir, broken)
+    (broken / "model.safetensors").write_bytes(b"\x00garbage")
+    assert main(["train", f"model.path={broken}", f"trainer.output_dir={tmp_path / 'run'}"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and f"model.path '{broken}' could not be loaded" in err[0]
+
+    no_pad = tmp_path / "no-pad"
+    shutil.copytree(tiny_policy_dir, no_pad)
+    config = (
+        (no_pad / "tokenizer_config.json")
+        .read_text()
+        .replace('"pad_token": "<pad>"', '"pad_token": null')
+    )
+    (no_pad / "tokenizer_config.json").write_text(config)
+    said = []
+    _, tokenizer = load_policy(str(no_pad), "float32", log=said.append)
+    assert tokenizer.pad_token == "<eos>"
+    assert said == ["warning: the tokenizer has no pad token; padding with its eos token '<eos>'"]

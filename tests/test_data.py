@@ -93,10 +93,18 @@ def test_non_utf8_file(tmp_path):
         read_examples([str(path)], "prompt", "answer")
 
 
-def test_prompts_longer_than_max_prompt_length_are_rejected(tmp_path):
-    cfg = DataConfig(train_size=8, val_size=4, max_prompt_length=5)
-    with pytest.raises(DataError, match=r"longer than data\.max_prompt_length=5"):
-        load_prompts(cfg, build_tokenizer(), seed=0)
+def test_prompts_longer_than_max_prompt_length_are_rejected_or_filtered():
+    cfg = DataConfig(train_size=50, val_size=20, max_prompt_length=9)  # "12345+67=" is 9 tokens
+    with pytest.raises(
+        DataError, match=r"longer than data\.max_prompt_length=9 .*data\.truncation=filter"
+    ):
+        load_prompts(cfg, build_tokenizer(), seed=0, log=pytest.fail)
+    said = []
+    train, val = load_prompts(
+        cfg.model_copy(update={"truncation": "filter"}), build_tokenizer(), seed=0, log=said.append
+    )
+    assert 0 < len(train) < 50 and all(len(p.ids) <= 9 for p in train + val)
+    assert f"dropped {50 - len(train)} of 50 train prompts longer than 9 tokens" in said[0]
 
 
 def test_loader_is_seeded_reshuffles_each_epoch_and_restores_position():

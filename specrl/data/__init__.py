@@ -18,7 +18,7 @@ __all__ = ["DataError", "PromptLoader", "encode_prompt", "load_prompts", "prompt
 
 
 def load_prompts(
-    cfg: DataConfig, tokenizer: PreTrainedTokenizerBase, seed: int
+    cfg: DataConfig, tokenizer: PreTrainedTokenizerBase, seed: int, log=print
 ) -> tuple[list[Prompt], list[Prompt]]:
     """→ (train, val) prompts. Without files, the built-in task split for `seed`."""
     if cfg.train_files is None:
@@ -30,9 +30,8 @@ def load_prompts(
         if cfg.val_files is None:
             raise DataError("data.val_files is required when data.train_files is set")
         val_examples = read_examples(cfg.val_files, cfg.prompt_key, cfg.answer_key)
-    return _tokenize(train_examples, tokenizer, cfg, "train"), _tokenize(
-        val_examples, tokenizer, cfg, "val"
-    )
+    train = _tokenize(train_examples, tokenizer, cfg, "train", log)
+    return train, _tokenize(val_examples, tokenizer, cfg, "val", log)
 
 
 def prompt_text(example: Example, tokenizer: PreTrainedTokenizerBase) -> str:
@@ -55,17 +54,33 @@ def encode_prompt(example: Example, tokenizer: PreTrainedTokenizerBase) -> Promp
 
 
 def _tokenize(
-    examples: Sequence[Example], tokenizer: PreTrainedTokenizerBase, cfg: DataConfig, split: str
+    examples: Sequence[Example],
+    tokenizer: PreTrainedTokenizerBase,
+    cfg: DataConfig,
+    split: str,
+    log,
 ) -> list[Prompt]:
+    """Prompts longer than data.max_prompt_length stop the run (data.truncation=error) or are
+    dropped and counted (data.truncation=filter)."""
     prompts = [encode_prompt(e, tokenizer) for e in examples]
-    too_long = sum(len(p.ids) > cfg.max_prompt_length for p in prompts)
-    if too_long:
+    kept = [p for p in prompts if len(p.ids) <= cfg.max_prompt_length]
+    too_long = len(prompts) - len(kept)
+    if too_long and cfg.truncation == "error":
         longest = max(len(p.ids) for p in prompts)
         raise DataError(
             f"{too_long} of {len(prompts)} {split} prompts are longer than data.max_prompt_length="
-            f"{cfg.max_prompt_length} tokens (longest: {longest}); raise data.max_prompt_length"
+            f"{cfg.max_prompt_length} tokens (longest: {longest}); raise data.max_prompt_length "
+            "or set data.truncation=filter to drop them"
         )
-    return prompts
+    if too_long:
+        log(
+            f"data.truncation=filter: dropped {too_long} of {len(prompts)} {split} prompts longer than {cfg.max_prompt_length} tokens"
+        )
+    if not kept:
+        raise DataError(
+            f"no {split} prompt fits in data.max_prompt_length={cfg.max_prompt_length} tokens"
+        )
+    return kept
 
 
 class PromptLoader:
