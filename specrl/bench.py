@@ -16,7 +16,6 @@ import transformers
 
 from specrl.config import Config
 from specrl.plots import plot_metrics
-from specrl.tracking import Tracker
 from specrl.trainer import Trainer
 
 ARMS = ("vanilla", "spec")
@@ -37,7 +36,7 @@ def run_bench(cfg: Config, out_dir: Path, log=print) -> dict[str, Any]:
         arm_cfg.trainer.resume_mode = "disable"  # a benchmark always measures a fresh run
         arm_cfg.trainer.experiment_name = f"{cfg.trainer.experiment_name}-{arm}"
         log(f"bench: training the {arm} arm into {out_dir / arm}")
-        trainer = Trainer(arm_cfg, Tracker(arm_cfg.trainer.logger, arm_cfg.trainer.run_dir))
+        trainer = Trainer(arm_cfg)
         trainer.fit()
         histories[arm] = trainer.tracker.history
     result = summarize(histories["vanilla"], histories["spec"], cfg)

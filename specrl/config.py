@@ -181,7 +181,7 @@ class TrainerConfig(Section):
         description="stop, after saving, when this many steps in a row had non-finite losses",
     )
     num_threads: int | None = Field(None, ge=1, description="torch CPU threads; None: all cores")
-    logger: list[Literal["console", "jsonl"]] = Field(
+    logger: list[Literal["console", "jsonl", "tensorboard", "wandb"]] = Field(
         ["console", "jsonl"], description="where metrics go"
     )
 

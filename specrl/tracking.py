@@ -1,9 +1,11 @@
-"""Where metrics go: metrics.jsonl (one JSON object per step) and the console (a progress bar
-with live metrics, then a summary)."""
+"""Where metrics go: metrics.jsonl (one JSON object per step), the console (a progress bar with
+live metrics, then a summary), and optionally TensorBoard and Weights & Biases (offline unless
+WANDB_MODE says otherwise)."""
 
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
@@ -19,37 +21,69 @@ from rich.progress import (
 )
 from rich.table import Table
 
+from specrl.errors import UserError
+
 LIVE_METRICS = {
     "critic/score/mean": "score",
     "val/acc/mean@1": "val_acc",
     "response_length/mean": "len",
     "spec/reused_token_ratio": "reused",
-    "timing_s/gen": "gen_s",
+    "timing_s/rollout": "rollout_s",
     "timing_s/step": "step_s",
 }
 
 
 class Tracker:
     def __init__(
-        self, loggers: Sequence[str], run_dir: Path, console: Console | None = None
+        self,
+        loggers: Sequence[str],
+        run_dir: Path,
+        console: Console | None = None,
+        project: str = "specrl",
+        experiment: str = "run",
     ) -> None:
         self.console = console or Console(stderr=True)
+        self.loggers = set(loggers)
         self.use_console = "console" in loggers
+        self.run_dir = run_dir
         self.jsonl = run_dir / "metrics.jsonl" if "jsonl" in loggers else None
+        self.project, self.experiment = project, experiment
         self.history: list[dict[str, float]] = []
+        self._tensorboard = None
+        self._wandb = None
 
-    def start(self, keep_through_step: int | None = None) -> None:
-        """Begin metrics.jsonl once everything the run needs has loaded: fresh, or, when resuming,
-        keeping the records up to the resumed step (later ones were not checkpointed)."""
-        if self.jsonl is None:
-            return
-        self.jsonl.parent.mkdir(parents=True, exist_ok=True)
-        if keep_through_step is not None and self.jsonl.is_file():
-            records = [
-                json.loads(line) for line in self.jsonl.read_text().splitlines() if line.strip()
-            ]
-            self.history = [m for m in records if m["training/global_step"] <= keep_through_step]
-        self.jsonl.write_text("".join(json.dumps(m) + "\n" for m in self.history))
+    def start(self, keep_through_step: int | None = None, config: dict | None = None) -> None:
+        """Open every logger once everything the run needs has loaded. metrics.jsonl starts
+        fresh or, when resuming, keeps the records up to the resumed step (later ones were not
+        checkpointed)."""
+        if self.jsonl is not None:
+            self.jsonl.parent.mkdir(parents=True, exist_ok=True)
+            if keep_through_step is not None and self.jsonl.is_file():
+                lines = self.jsonl.read_text().splitlines()
+                records = [json.loads(line) for line in lines if line.strip()]
+                self.history = [
+                    m for m in records if m["training/global_step"] <= keep_through_step
+                ]
+            self.jsonl.write_text("".join(json.dumps(m) + "\n" for m in self.history))
+        if "tensorboard" in self.loggers:
+            self._tensorboard = _optional("torch.utils.tensorboard", "tensorboard").SummaryWriter(
+                log_dir=str(self.run_dir / "tensorboard")
+            )
+        if "wandb" in self.loggers:
+            wandb = _optional("wandb", "wandb")
+            self._wandb = wandb.init(
+                project=self.project,
+                name=self.experiment,
+                dir=str(self.run_dir),
+                config=config,
+                mode=os.environ.get("WANDB_MODE", "offline"),
+            )
+
+    def close(self) -> None:
+        if self._tensorboard is not None:
+            self._tensorboard.close()
+        if self._wandb is not None:
+            self._wandb.finish()
 
     def print(self, message: str) -> None:
         if self.use_console:
@@ -63,6 +97,12 @@ class Tracker:
         if self.jsonl is not None:
             with self.jsonl.open("a") as handle:
                 handle.write(json.dumps(metrics) + "\n")
+        step = int(metrics["training/global_step"])
+        if self._tensorboard is not None:
+            for key, value in metrics.items():
+                self._tensorboard.add_scalar(key, value, step)
+        if self._wandb is not None:
+            self._wandb.log(metrics, step=step)
         if "val/acc/mean@1" in metrics:
             self.print(
                 f"step {int(metrics['training/global_step'])}: val/acc/mean@1 = {metrics['val/acc/mean@1']:.3f}"
@@ -102,10 +142,22 @@ class Tracker:
             "val/acc/mean@1 after": summary.get("val_acc_after"),
             "critic/score/mean (last step)": self.last("critic/score/mean"),
             "response_length/mean (last step)": self.last("response_length/mean"),
-            "rollout time, total (s)": sum(m.get("timing_s/gen", 0.0) for m in self.history),
+            "rollout time, total (s)": sum(m.get("timing_s/rollout", 0.0) for m in self.history),
             "train time, total (s)": sum(m.get("timing_s/step", 0.0) for m in self.history),
         }
         for name, value in rows.items():
             if value is not None:
                 table.add_row(name, f"{value:.4g}")
         self.console.print(table)
+
+
+def _optional(module: str, extra: str):
+    """Import an optional logger backend, or say how to install it."""
+    import importlib
+
+    try:
+        return importlib.import_module(module)
+    except ImportError:
+        raise UserError(
+            f"trainer.logger includes {extra} but it is not installed; pip install 'specrl[{extra}]'"
+        ) from None

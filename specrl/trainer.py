@@ -162,7 +162,12 @@ class Trainer:
     def __init__(self, cfg: Config, tracker: Tracker | None = None) -> None:
         self.cfg = cfg
         self.run_dir = cfg.trainer.run_dir
-        self.tracker = tracker or Tracker(cfg.trainer.logger, self.run_dir)
+        self.tracker = tracker or Tracker(
+            cfg.trainer.logger,
+            self.run_dir,
+            project=cfg.trainer.project_name,
+            experiment=cfg.trainer.experiment_name,
+        )
         if cfg.trainer.num_threads:
             torch.set_num_threads(cfg.trainer.num_threads)
         seed_everything(cfg.trainer.seed)
@@ -242,15 +247,26 @@ class Trainer:
                 f"resuming from {self.resume_from} at step {self.global_step} "
                 "(trainer.resume_mode=disable starts over)"
             )
-            self.tracker.start(keep_through_step=self.global_step)
+            self.tracker.start(keep_through_step=self.global_step, config=self.cfg.model_dump())
         else:
-            self.tracker.start()
+            self.tracker.start(config=self.cfg.model_dump())
             if self.cfg.trainer.val_before_train:
                 self.tracker.log({"training/global_step": 0, **self.validate()})
         summary: dict[str, float] = {}
         first = self.tracker.history[0] if self.tracker.history else {}
         if first.get("training/global_step") == 0 and "val/acc/mean@1" in first:
             summary["val_acc_before"] = first["val/acc/mean@1"]
+        try:
+            self._train_loop()
+        finally:
+            self.tracker.close()
+        last = self.tracker.last("val/acc/mean@1")
+        if last is not None:
+            summary["val_acc_after"] = last
+        self.tracker.summary(summary)
+        return summary
+
+    def _train_loop(self) -> None:
         with self.tracker.progress(self.total_steps, self.global_step) as advance:
             while self.global_step < self.total_steps:
                 self.global_step += 1
@@ -262,11 +278,6 @@ class Trainer:
                     save_checkpoint(self)
                 self.tracker.log(metrics)
                 advance(metrics)
-        last = self.tracker.last("val/acc/mean@1")
-        if last is not None:
-            summary["val_acc_after"] = last
-        self.tracker.summary(summary)
-        return summary
 
     def _check_finite(self, metrics: dict[str, float]) -> None:
         """Skipped updates are reported every step; trainer.max_bad_steps in a row stop the run

@@ -26,3 +26,39 @@ def test_report_on_a_directory_without_metrics(tmp_path, capsys):
         capsys.readouterr().err.strip()
         == f"specrl: error: {tmp_path} has no metrics.jsonl; pass the trainer.output_dir of a run"
     )
+
+
+def test_tensorboard_and_offline_wandb_loggers(tiny_policy_dir, tmp_path, monkeypatch):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    monkeypatch.delenv("WANDB_MODE", raising=False)  # the default must be offline: no network here
+    monkeypatch.chdir(tmp_path)
+    cfg = small_config(
+        tiny_policy_dir, tmp_path, "trainer.logger=[jsonl,tensorboard,wandb]", "trainer.save_freq=0"
+    )
+    Trainer(cfg).fit()
+    events = EventAccumulator(str(tmp_path / "tensorboard"))
+    events.Reload()
+    scalars = events.Tags()["scalars"]
+    assert "critic/score/mean" in scalars and "val/acc/mean@1" in scalars
+    assert [e.step for e in events.Scalars("actor/pg_loss")] == [1, 2]
+    offline_runs = list((tmp_path / "wandb").glob("offline-run-*"))
+    assert len(offline_runs) == 1 and any(offline_runs[0].glob("*.wandb"))
+
+
+def test_missing_logger_backend_is_a_clear_error(tiny_policy_dir, tmp_path, monkeypatch, capsys):
+    import sys
+
+    monkeypatch.setitem(sys.modules, "wandb", None)  # as if wandb were not installed
+    args = [
+        f"model.path={tiny_policy_dir}",
+        f"trainer.output_dir={tmp_path}",
+        "trainer.logger=[wandb]",
+    ]
+    capsys.readouterr()
+    assert main(["train", *args]) == 2
+    err = capsys.readouterr().err.strip()
+    assert (
+        err
+        == "specrl: error: trainer.logger includes wandb but it is not installed; pip install 'specrl[wandb]'"
+    )
