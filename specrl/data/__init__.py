@@ -29,7 +29,9 @@ def load_prompts(
         train_examples = read_examples(cfg.train_files, cfg.prompt_key, cfg.answer_key)
         if cfg.val_files is None:
             raise DataError("data.val_files is required when data.train_files is set")
-        val_examples = read_examples(cfg.val_files, cfg.prompt_key, cfg.answer_key)
+        val_examples = read_examples(
+            cfg.val_files, cfg.prompt_key, cfg.answer_key, "data.val_files"
+        )
     train = _tokenize(train_examples, tokenizer, cfg, "train", log)
     return train, _tokenize(val_examples, tokenizer, cfg, "val", log)
 

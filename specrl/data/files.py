@@ -17,12 +17,14 @@ class DataError(UserError):
     """A dataset problem, with a message naming the file (and line) and the fix."""
 
 
-def read_examples(files: Sequence[str], prompt_key: str, answer_key: str) -> list[Example]:
+def read_examples(
+    files: Sequence[str], prompt_key: str, answer_key: str, option: str = "data.train_files"
+) -> list[Example]:
     examples: list[Example] = []
     for name in files:
         path = Path(name)
         if not path.is_file():
-            raise DataError(f"dataset file {name} does not exist")
+            raise DataError(f"dataset file {name} does not exist; check {option}")
         for where, row in _rows(path):
             examples.append(_example(row, where, prompt_key, answer_key))
     if not examples:
