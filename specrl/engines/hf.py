@@ -33,7 +33,6 @@ class HFEngine:
         self.eos_token_ids = frozenset(eos_token_ids)
         self.pad_token_id = pad_token_id
         self.max_batch_size = max_batch_size
-        self.forward_passes = 0  # model calls made by generate/score, for cost accounting
         self._prefix_cache = PrefixCache()
 
     @classmethod
@@ -203,7 +202,6 @@ class HFEngine:
         cache: DynamicCache | None,
         last_only: bool = False,
     ) -> torch.Tensor:
-        self.forward_passes += 1
         return self.model(
             input_ids=ids,
             attention_mask=attention,
