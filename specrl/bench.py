@@ -68,7 +68,7 @@ def summarize(
         "reused_token_ratio_all_steps": a,
         "full_reuse_ratio": sum(m["spec/full_reuse_ratio"] for m in later) / max(len(later), 1),
         "verified_token_ratio": _total(s_steps, "spec/verified_tokens")
-        / max(_response_tokens(s_steps), 1),
+        / max(_total(s_steps, "spec/response_tokens"), 1),
         "verify_cost_ratio": r,
         "limit_speedup": 1.0 / ((1.0 - a) + r * a),
         "final_acc_vanilla": _last(vanilla, "val/acc/mean@1"),
@@ -100,12 +100,8 @@ def _total(steps: list[dict[str, float]], key: str) -> float:
     return float(sum(m.get(key, 0.0) for m in steps))
 
 
-def _response_tokens(steps: list[dict[str, float]]) -> float:
-    return _total(steps, "spec/reused_tokens") + _total(steps, "spec/decoded_tokens")
-
-
 def _reuse(steps: list[dict[str, float]]) -> float:
-    return _total(steps, "spec/reused_tokens") / max(_response_tokens(steps), 1)
+    return _total(steps, "spec/reused_tokens") / max(_total(steps, "spec/response_tokens"), 1)
 
 
 def _last(history: list[dict[str, float]], key: str) -> float | None:

@@ -119,7 +119,7 @@ class RolloutStage:
         _accumulate(metrics, "timing_s/gen", gen_time)
         _accumulate(metrics, "timing_s/verify", verify_time)
         _accumulate(metrics, "timing_s/rollout", time.perf_counter() - start)
-        metrics.update(self._metrics(rollouts, verified, results, verified_tokens))
+        self._metrics(metrics, rollouts, verified, results, verified_tokens)
         return rollouts
 
     # ---------------------------------------------------------------- drafts and verification
@@ -231,25 +231,36 @@ class RolloutStage:
 
     def _metrics(
         self,
+        metrics: dict[str, float],
         rollouts: list[Rollout],
         verified: list[Verified | None],
         results: dict[int, GenResult],
         verified_tokens: int,
-    ) -> dict[str, float]:
+    ) -> None:
+        """Counts add up over every rollout batch of a step (DAPO dynamic sampling may roll out
+        several); the ratios are derived from the step's running counts."""
         cuts = [v.cut for v in verified if v is not None]
-        reused = sum(cuts)
-        total = sum(len(r.token_ids) for r in rollouts)
-        return {
-            "spec/reused_token_ratio": reused / max(total, 1),
-            "spec/full_reuse_ratio": (len(rollouts) - len(results)) / len(rollouts),
-            "spec/draft_ratio": len(cuts) / len(rollouts),
-            "spec/mean_cut_index": sum(cuts) / max(len(cuts), 1),
-            "spec/reused_tokens": reused,
+        counts = {
+            "spec/reused_tokens": sum(cuts),
             "spec/decoded_tokens": sum(len(r.token_ids) for r in results.values()),
             "spec/verified_tokens": verified_tokens,
-            "spec/store_entries": len(self.store),
-            "spec/store_bytes_per_token": self.store.nbytes / max(self.store.num_tokens, 1),
+            "spec/response_tokens": sum(len(r.token_ids) for r in rollouts),
+            "spec/rollouts": len(rollouts),
+            "spec/drafts": len(cuts),
+            "spec/fully_reused": len(rollouts) - len(results),
         }
+        for key, value in counts.items():
+            _accumulate(metrics, key, value)
+        metrics["spec/reused_token_ratio"] = metrics["spec/reused_tokens"] / max(
+            metrics["spec/response_tokens"], 1
+        )
+        metrics["spec/full_reuse_ratio"] = metrics["spec/fully_reused"] / metrics["spec/rollouts"]
+        metrics["spec/draft_ratio"] = metrics["spec/drafts"] / metrics["spec/rollouts"]
+        metrics["spec/mean_cut_index"] = metrics["spec/reused_tokens"] / max(
+            metrics["spec/drafts"], 1
+        )
+        metrics["spec/store_entries"] = len(self.store)
+        metrics["spec/store_bytes_per_token"] = self.store.nbytes / max(self.store.num_tokens, 1)
 
 
 def _accumulate(metrics: dict[str, float], key: str, value: float) -> None:
