@@ -1,0 +1,250 @@
+"""Token trees (SRT, arXiv 2601.09083): per prompt, a trie of earlier responses with counts, used
+as a model-free draft source for the tokens that still have to be decoded.
+
+A prompt's tree holds its responses from the last `window` times it was rolled out (all slots),
+plus responses of the current step as they finish (online). A proposal for a sequence being
+decoded starts from its *context node*:
+
+- the node of the whole response so far, when some stored response starts with it (anchored);
+- otherwise the nodes whose path ends with the longest suffix of the response so far (suffix
+  match, unbounded length), the most frequent of them (ties: the earliest created).
+
+From there it follows the most frequent child (ties: the earliest created) for up to K tokens.
+`Cursor` tracks the context of one sequence incrementally: appending a token costs one dict
+lookup while the sequence stays on a stored path or extends its suffix match; a full suffix
+search runs only when the match breaks, or when the tree changed since the last lookup.
+
+Memory is bounded twice: responses older than `window` rollouts of their prompt are dropped when
+the prompt is rolled out again, and `max_nodes` over all prompts evicts the least recently
+rolled-out prompts' trees whole.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+ROOT = 0
+
+
+class PromptTree:
+    """The trie of one prompt's stored responses. Node 0 is the root (the empty response)."""
+
+    def __init__(self) -> None:
+        self.responses: list[tuple[int, tuple[int, ...]]] = []  # (round, tokens), oldest first
+        self.round = 0  # how many times the prompt has been rolled out
+        self.version = 0  # bumped by every change; cursors recompute when it moves
+        self._build()
+
+    def _build(self) -> None:
+        self.token = [-1]
+        self.parent = [-1]
+        self.count = [0]
+        self.children: list[dict[int, int]] = [{}]
+        self.best = [-1]  # most frequent child
+        self.by_token: dict[int, list[int]] = {}
+        for _, tokens in self.responses:
+            self._add(tokens)
+
+    @property
+    def nodes(self) -> int:
+        return len(self.token) - 1
+
+    def insert(self, tokens: Sequence[int]) -> None:
+        tokens = tuple(int(t) for t in tokens)
+        self.responses.append((self.round, tokens))
+        self._add(tokens)
+        self.version += 1
+
+    def _add(self, tokens: tuple[int, ...]) -> None:
+        node = ROOT
+        self.count[ROOT] += 1
+        for t in tokens:
+            child = self.children[node].get(t)
+            if child is None:
+                child = len(self.token)
+                self.token.append(t)
+                self.parent.append(node)
+                self.count.append(0)
+                self.children.append({})
+                self.best.append(-1)
+                self.children[node][t] = child
+                self.by_token.setdefault(t, []).append(child)
+            self.count[child] += 1
+            best = self.best[node]
+            if best < 0 or (self.count[child], -child) > (self.count[best], -best):
+                self.best[node] = child
+            node = child
+
+    def next_round(self, window: int) -> int:
+        """The prompt is rolled out again: keep the responses of the last `window - 1` rounds
+        (the current round adds its own). → nodes freed."""
+        self.round += 1
+        keep = [(r, t) for r, t in self.responses if r > self.round - window]
+        if len(keep) == len(self.responses):
+            return 0
+        before = self.nodes
+        self.responses = keep
+        self._build()
+        self.version += 1
+        return before - self.nodes
+
+    def suffix_matches(self, tokens: Sequence[int]) -> list[int]:
+        """Nodes whose path ends with the longest suffix of `tokens` found in the tree."""
+        if not tokens:
+            return []
+        best_len, found = 0, []
+        last = len(tokens) - 1
+        for node in self.by_token.get(tokens[last], ()):
+            length, up, i = 1, self.parent[node], last - 1
+            while up != ROOT and i >= 0 and self.token[up] == tokens[i]:
+                length, up, i = length + 1, self.parent[up], i - 1
+            if length > best_len:
+                best_len, found = length, [node]
+            elif length == best_len:
+                found.append(node)
+        return found
+
+    def continuation(self, node: int, k: int) -> list[int]:
+        """Up to k tokens along the most frequent children from `node`."""
+        out = []
+        while len(out) < k and (node := self.best[node]) >= 0:
+            out.append(self.token[node])
+        return out
+
+
+class Cursor:
+    """The context node of one sequence being decoded, kept up to date as tokens are appended."""
+
+    def __init__(self, tree: PromptTree, tokens: Sequence[int] = ()) -> None:
+        self.tree = tree
+        self.tokens: list[int] = []
+        self._version = -1  # stale: the first lookup computes from scratch
+        self._anchored: int | None = ROOT
+        self._matches: list[int] = []
+        self.extend(tokens)
+
+    def extend(self, tokens: Sequence[int]) -> None:
+        tree = self.tree
+        for t in tokens:
+            self.tokens.append(int(t))
+            if self._version != tree.version:
+                continue
+            if self._anchored is not None:
+                child = tree.children[self._anchored].get(int(t))
+                if child is not None:
+                    self._anchored = child
+                    continue
+                self._anchored = None
+                self._matches = tree.suffix_matches(self.tokens)
+            else:
+                extended = [c for n in self._matches if (c := tree.children[n].get(int(t)))]
+                self._matches = extended or tree.suffix_matches(self.tokens)
+
+    def _refresh(self) -> None:
+        tree = self.tree
+        node: int | None = ROOT
+        for t in self.tokens:
+            node = tree.children[node].get(t)
+            if node is None:
+                break
+        self._anchored = node
+        self._matches = [] if node is not None else tree.suffix_matches(self.tokens)
+        self._version = tree.version
+
+    def context(self) -> int | None:
+        if self._version != self.tree.version:
+            self._refresh()
+        if self._anchored is not None:
+            return self._anchored
+        if not self._matches:
+            return None
+        count = self.tree.count
+        return min(self._matches, key=lambda n: (-count[n], n))
+
+    def propose(self, k: int) -> list[int]:
+        node = self.context()
+        return [] if node is None or k <= 0 else self.tree.continuation(node, k)
+
+
+class TokenTree:
+    """Token trees of every prompt, keyed by prompt id, least recently rolled out first."""
+
+    def __init__(self, window: int = 2, max_nodes: int = 2_000_000) -> None:
+        self.window = window
+        self.max_nodes = max_nodes
+        self._trees: OrderedDict[str, PromptTree] = OrderedDict()
+        self.nodes = 0
+
+    def __len__(self) -> int:
+        return len(self._trees)
+
+    def begin(self, prompt_id: str) -> int:
+        """The prompt is rolled out in this step: drop responses outside the window, mark it
+        recently used. → nodes freed."""
+        tree = self._trees.get(prompt_id)
+        if tree is None:
+            tree = self._trees[prompt_id] = PromptTree()
+        self._trees.move_to_end(prompt_id)
+        freed = tree.next_round(self.window)
+        self.nodes -= freed
+        return freed
+
+    def insert(self, prompt_id: str, tokens: Sequence[int]) -> None:
+        tree = self._trees.get(prompt_id)
+        if tree is None:
+            tree = self._trees[prompt_id] = PromptTree()
+        before = tree.nodes
+        tree.insert(tokens)
+        self.nodes += tree.nodes - before
+
+    def cursor(self, prompt_id: str, tokens: Sequence[int] = ()) -> Cursor | None:
+        tree = self._trees.get(prompt_id)
+        return None if tree is None else Cursor(tree, tokens)
+
+    def propose(self, prompt_id: str, tokens: Sequence[int], k: int) -> list[int]:
+        """Up to k draft tokens to follow `tokens` (the response so far) for this prompt."""
+        cursor = self.cursor(prompt_id, tokens)
+        return [] if cursor is None else cursor.propose(k)
+
+    def evict(self) -> int:
+        """Drop the least recently rolled-out prompts' trees until at most max_nodes remain.
+        → nodes freed."""
+        freed = 0
+        while self.nodes > self.max_nodes and self._trees:
+            _, tree = self._trees.popitem(last=False)
+            freed += tree.nodes
+            self.nodes -= tree.nodes
+        return freed
+
+    def state_dict(self) -> dict[str, Any]:
+        prompt_ids, rounds, lengths, tokens, owners = [], [], [], [], []
+        for i, (pid, tree) in enumerate(self._trees.items()):
+            prompt_ids.append(pid)
+            rounds.append(tree.round)
+            for r, response in tree.responses:
+                owners.append((i, r))
+                lengths.append(len(response))
+                tokens.extend(response)
+        return {
+            "prompt_ids": prompt_ids,
+            "rounds": np.array(rounds, dtype=np.int64),
+            "owners": np.array(owners, dtype=np.int64).reshape(-1, 2),
+            "lengths": np.array(lengths, dtype=np.int64),
+            "tokens": np.array(tokens, dtype=np.int32),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self._trees = OrderedDict((pid, PromptTree()) for pid in state["prompt_ids"])
+        trees = list(self._trees.values())
+        offsets = np.concatenate([[0], np.cumsum(state["lengths"])])
+        for j, (owner, r) in enumerate(state["owners"].tolist()):
+            tree = trees[owner]
+            tree.round = r
+            tree.insert(state["tokens"][offsets[j] : offsets[j + 1]].tolist())
+        for tree, r in zip(trees, state["rounds"].tolist(), strict=True):
+            tree.round = r
+        self.nodes = sum(t.nodes for t in trees)

@@ -1,0 +1,141 @@
+import random
+
+from specrl.spec.tree import Cursor, PromptTree, TokenTree
+
+
+class Reference:
+    """Brute force over the stored responses: nodes are prefixes, created in insertion order."""
+
+    def __init__(self):
+        self.responses = []  # (round, tokens)
+        self.round = 0
+
+    def next_round(self, window):
+        self.round += 1
+        self.responses = [(r, t) for r, t in self.responses if r > self.round - window]
+
+    def insert(self, tokens):
+        self.responses.append((self.round, tuple(tokens)))
+
+    def _nodes(self):
+        ids, counts = {}, {}
+        for _, seq in self.responses:
+            for n in range(1, len(seq) + 1):
+                ids.setdefault(seq[:n], len(ids) + 1)
+                counts[seq[:n]] = counts.get(seq[:n], 0) + 1
+        return ids, counts
+
+    def propose(self, tokens, k):
+        tokens = tuple(tokens)
+        ids, counts = self._nodes()
+        if not tokens or tokens in ids:
+            context = tokens
+        else:
+
+            def match(p):
+                m = 0
+                while m < min(len(p), len(tokens)) and p[-1 - m] == tokens[-1 - m]:
+                    m += 1
+                return m
+
+            longest = max((match(p) for p in ids), default=0)
+            if longest == 0:
+                return []
+            context = min(
+                (p for p in ids if match(p) == longest), key=lambda p: (-counts[p], ids[p])
+            )
+        out = []
+        while len(out) < k:
+            children = [p for p in ids if len(p) == len(context) + 1 and p[:-1] == context]
+            if not children:
+                break
+            context = min(children, key=lambda p: (-counts[p], ids[p]))
+            out.append(context[-1])
+        return out
+
+    def nodes(self):
+        return len(self._nodes()[0])
+
+
+def random_tokens(rng, n_max=8, vocab=4):
+    return [rng.randrange(vocab) for _ in range(rng.randint(0, n_max))]
+
+
+def test_insert_propose_evict_match_brute_force():
+    rng = random.Random(0)
+    for trial in range(60):
+        tree, ref = PromptTree(), Reference()
+        window = rng.randint(1, 3)
+        cursor_tokens = random_tokens(rng, 3)
+        cursor = Cursor(tree, cursor_tokens)
+        for _ in range(40):
+            op = rng.random()
+            if op < 0.35:
+                seq = random_tokens(rng)
+                tree.insert(seq)
+                ref.insert(seq)
+            elif op < 0.45:
+                tree.next_round(window)
+                ref.next_round(window)
+                cursor = Cursor(tree, cursor_tokens)  # node ids change on eviction
+            elif op < 0.7:
+                stored = [t for _, t in ref.responses]
+                base = list(rng.choice(stored)) if stored and rng.random() < 0.6 else []
+                query = base[: rng.randint(0, len(base))] + random_tokens(rng, 4)
+                k = rng.randint(0, 6)
+                expected = ref.propose(query, k)
+                assert Cursor(tree, query).propose(k) == expected, (trial, query, k)
+            else:
+                token = rng.randrange(4)
+                cursor.extend([token])
+                cursor_tokens.append(token)
+                assert cursor.propose(5) == ref.propose(cursor_tokens, 5), (trial, cursor_tokens)
+            assert tree.nodes == ref.nodes()
+
+
+def test_propose_follows_the_most_frequent_path_and_suffix_matches():
+    tree = TokenTree()
+    tree.begin("p")
+    for seq in ([1, 2, 3, 9], [1, 2, 4, 9], [1, 2, 4, 8]):
+        tree.insert("p", seq)
+    assert tree.propose("p", [], 8) == [1, 2, 4, 9]  # 4 beats 3; 9 ties 8 and came first
+    assert tree.propose("p", [1, 2, 3], 8) == [9]
+    assert tree.propose("p", [7, 7, 2, 4], 8) == [9]  # left every path: suffix match on 2, 4
+    assert tree.propose("p", [5], 8) == []
+    assert tree.propose("unknown", [], 8) == []
+
+
+def test_window_drops_old_rounds_and_max_nodes_evicts_least_recent_prompts():
+    tree = TokenTree(window=2, max_nodes=6)
+    tree.begin("a")
+    tree.insert("a", [1, 2, 3])
+    tree.begin("a")
+    tree.insert("a", [4, 5])
+    assert tree.nodes == 5 and tree.propose("a", [], 5) == [1, 2, 3]
+    assert tree.begin("a") == 3  # round 1 fell out of the window
+    assert tree.propose("a", [], 5) == [4, 5] and tree.nodes == 2
+    tree.begin("b")
+    tree.insert("b", [1, 2, 3, 4, 5])
+    assert tree.evict() == 2  # 7 nodes > 6: "a" was rolled out least recently
+    assert tree.nodes == 5 and len(tree) == 1 and tree.propose("a", [], 5) == []
+
+
+def test_state_dict_round_trip():
+    rng = random.Random(1)
+    tree = TokenTree(window=3)
+    for step in range(5):
+        for pid in ("x", "y"):
+            tree.begin(pid)
+            for _ in range(3):
+                tree.insert(pid, random_tokens(rng))
+        if step == 2:
+            tree.begin("z")
+    restored = TokenTree(window=3)
+    restored.load_state_dict(tree.state_dict())
+    assert restored.nodes == tree.nodes and len(restored) == len(tree)
+    for pid in ("x", "y", "z"):
+        for _ in range(20):
+            query = random_tokens(rng)
+            assert restored.propose(pid, query, 6) == tree.propose(pid, query, 6)
+    tree.begin("x"), restored.begin("x")  # rounds survive: the same responses fall out
+    assert restored.nodes == tree.nodes
