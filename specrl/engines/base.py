@@ -8,6 +8,8 @@ from typing import Literal, Protocol
 
 import torch
 
+from specrl.engines.speculation import Drafting
+
 FinishReason = Literal["stop", "length"]
 
 
@@ -51,6 +53,9 @@ class GenResult:
     token_ids: list[int]
     logprobs: list[float]  # behaviour logprob of each new token
     finish_reason: FinishReason
+    forwards: int = 0  # decode forwards this request took part in
+    draft_tokens: int = 0  # draft tokens verified for it (speculative decoding)
+    accepted_tokens: int = 0  # of which accepted
 
 
 @dataclass(frozen=True)
@@ -65,7 +70,9 @@ class ScoreRequest:
 class RolloutEngine(Protocol):
     eos_token_ids: frozenset[int]
 
-    def generate(self, requests: Sequence[GenRequest]) -> list[GenResult]: ...
+    def generate(
+        self, requests: Sequence[GenRequest], drafting: Drafting | None = None
+    ) -> list[GenResult]: ...
 
     def score(self, requests: Sequence[ScoreRequest]) -> list[torch.Tensor]: ...
 

@@ -1,21 +1,23 @@
 """Transformers rollout engine: our own decode loop over any local Hugging Face causal LM.
 
-The loop is ours (not `model.generate()`) so that forced prefixes, per-request budgets, seeds and,
-later, multi-token verification are under our control. Batches are left-padded; every sequence
+The loop is ours (not `model.generate()`) so that forced prefixes, per-request budgets, seeds and
+multi-token verification of draft tokens (speculative decoding) are under our control. Batches are left-padded; every sequence
 keeps its own position ids, so padding never changes a result. A sequence that finishes leaves
 the batch and its rows leave the KV cache: it costs nothing afterwards.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import torch
 from transformers import AutoModelForCausalLM, DynamicCache, PreTrainedModel
 
-from specrl.engines.base import FinishReason, GenRequest, GenResult, ScoreRequest
+from specrl.engines.base import FinishReason, GenRequest, GenResult, SamplingParams, ScoreRequest
 from specrl.engines.sampling import sample_from_logprobs, sampling_logprobs, seeded_uniform
+from specrl.engines.speculation import Drafting
 
 
 class HFEngine:
@@ -50,7 +52,9 @@ class HFEngine:
         return next(self.model.parameters()).device
 
     @torch.no_grad()
-    def generate(self, requests: Sequence[GenRequest]) -> list[GenResult]:
+    def generate(
+        self, requests: Sequence[GenRequest], drafting: Drafting | None = None
+    ) -> list[GenResult]:
         # Longest contexts first: similar lengths share a batch, so little padding is computed.
         order = sorted(
             range(len(requests)),
@@ -60,12 +64,17 @@ class HFEngine:
         for start in range(0, len(order), self.max_batch_size):
             chunk = order[start : start + self.max_batch_size]
             for i, result in zip(
-                chunk, self._generate_batch([requests[i] for i in chunk]), strict=True
+                chunk, self._generate_batch(requests, chunk, drafting), strict=True
             ):
                 results[i] = result
         return results  # type: ignore[return-value]
 
-    def _generate_batch(self, requests: Sequence[GenRequest]) -> list[GenResult]:
+    def _generate_batch(
+        self, all_requests: Sequence[GenRequest], indices: list[int], drafting: Drafting | None
+    ) -> list[GenResult]:
+        """Decode requests `indices` of `all_requests` as one batch. With `drafting`, each forward
+        feeds every sequence's last token followed by up to K draft tokens; see `_accept`."""
+        requests = [all_requests[i] for i in indices]
         results = [GenResult([], [], "length") for _ in requests]
         live = [i for i, r in enumerate(requests) if r.max_new_tokens > 0]
         if not live:
@@ -74,43 +83,124 @@ class HFEngine:
         # KV of every context but its last token; that token is the first one fed below.
         cache, attention = self._prefill(contexts)  # attention [B, W]
         tokens = torch.tensor([c[-1] for c in contexts], device=self.device)  # [B] fed next
-        positions = torch.tensor([len(c) - 1 for c in contexts], device=self.device)
+        positions = torch.tensor([len(c) - 1 for c in contexts], device=self.device)  # theirs
         rows = torch.tensor(live, device=self.device)  # request index of each batch row
         seeds = torch.tensor([requests[i].seed for i in live], device=self.device)
-        budgets = torch.tensor([requests[i].max_new_tokens for i in live], device=self.device)
+        left = torch.tensor([requests[i].max_new_tokens for i in live], device=self.device)
         eos = torch.tensor(sorted(self.eos_token_ids), device=self.device)
         params = [requests[i].sampling for i in live]
-        rejected = [requests[i].reject_token for i in live]
-        produced = 0
+        rejected = [requests[i].reject_token for i in live]  # applies to each first new token
         while True:
-            attention = torch.cat([attention, attention.new_ones(len(rows), 1)], dim=1)
-            logits = self._forward(tokens[:, None], attention, positions[:, None], cache)[:, -1]
-            positions = positions + 1  # position of the token being sampled
-            logprobs = sampling_logprobs(logits, params)  # [B, V]
-            draw_from = _residual(logprobs, rejected) if produced == 0 else logprobs
-            tokens = sample_from_logprobs(draw_from, seeded_uniform(seeds, positions))  # [B]
-            token_logprobs = logprobs.gather(1, tokens[:, None]).squeeze(1)
-            produced += 1
-            for row, token, lp in zip(
-                rows.tolist(), tokens.tolist(), token_logprobs.tolist(), strict=True
+            started = time.perf_counter()
+            drafts = self._drafts(drafting, rows, results, indices, left, rejected)
+            width = max(map(len, drafts))
+            fed = tokens.new_full((len(rows), width + 1), self.pad_token_id)  # [B, K+1]
+            fed[:, 0] = tokens
+            for b, draft in enumerate(drafts):
+                fed[b, 1 : len(draft) + 1] = torch.tensor(draft)
+            proposed = torch.tensor(list(map(len, drafts)), device=self.device)  # [B]
+            cols = torch.arange(width + 1, device=self.device)
+            attention = torch.cat([attention, (cols[None] <= proposed[:, None]).long()], dim=1)
+            logits = self._forward(fed, attention, positions[:, None] + cols, cache)  # [B, K+1, V]
+            sampled, logprobs = self._sample(logits, params, seeds, positions, rejected)
+            accepted = _accepted(sampled, fed, proposed)  # [B] draft tokens kept
+            emitted = (accepted + 1).minimum(left)  # drafts never exceed left - 1; a guard
+            is_eos = torch.isin(sampled, eos) & (cols[None] < emitted[:, None])
+            stopped = is_eos.any(1)
+            emitted = torch.where(stopped, is_eos.int().argmax(1) + 1, emitted)
+            left = left - emitted
+            for row, n, k, a, new, lps in zip(
+                rows.tolist(),
+                emitted.tolist(),
+                proposed.tolist(),
+                accepted.tolist(),
+                sampled.tolist(),
+                logprobs.tolist(),
+                strict=True,
             ):
-                results[row].token_ids.append(token)
-                results[row].logprobs.append(lp)
-            stopped = torch.isin(tokens, eos)
-            finished = stopped | (budgets <= produced)
+                result = results[row]
+                result.token_ids.extend(new[:n])
+                result.logprobs.extend(lps[:n])
+                result.forwards += 1
+                result.draft_tokens += k
+                result.accepted_tokens += a
+            finished = stopped | (left <= 0)
             for row, was_stopped in zip(
                 rows[finished].tolist(), stopped[finished].tolist(), strict=True
             ):
                 results[row].finish_reason = _reason(was_stopped)
+                if drafting is not None:
+                    drafting.source.finished(indices[row], results[row].token_ids)
+            if drafting is not None:
+                drafting.width.observe_drafts(proposed.tolist(), accepted.tolist())
+                drafting.width.observe_forward(fed.numel(), time.perf_counter() - started)
             if bool(finished.all()):
                 return results
+            # The cache holds the fed token and the accepted drafts; rejected ones are masked out.
+            attention[:, -(width + 1) :] = (cols[None] <= accepted[:, None]).long()
+            tokens = sampled.gather(1, accepted[:, None]).squeeze(1)
+            positions = positions + accepted + 1
             if bool(finished.any()):
                 keep = (~finished).nonzero().squeeze(1)
                 cache.batch_select_indices(keep)
-                rows, tokens, positions, seeds, budgets, attention = (
-                    t[keep] for t in (rows, tokens, positions, seeds, budgets, attention)
+                rows, tokens, positions, seeds, left, attention = (
+                    t[keep] for t in (rows, tokens, positions, seeds, left, attention)
                 )
                 params = [params[i] for i in keep.tolist()]
+            rejected = [None] * len(rows)
+            if width and attention.shape[1] > 2 * int(attention.sum(1).max()) + 32:
+                attention = _compact(cache, attention)
+
+    def _drafts(
+        self,
+        drafting: Drafting | None,
+        rows: torch.Tensor,
+        results: list[GenResult],
+        indices: list[int],
+        left: torch.Tensor,
+        rejected: list[int | None],
+    ) -> list[list[int]]:
+        """Draft tokens per batch row, cut after an end-of-sequence token and to the width the
+        controller chooses. None for a row whose first token is drawn from a residual."""
+        if drafting is None:
+            return [[] for _ in range(len(rows))]
+        drafts = []
+        for row, room, reject in zip(rows.tolist(), left.tolist(), rejected, strict=True):
+            draft = []
+            if reject is None and room > 1:
+                draft = drafting.source.propose(indices[row], results[row].token_ids, room - 1)
+                stop = next((j for j, t in enumerate(draft) if t in self.eos_token_ids), None)
+                draft = draft[: room - 1] if stop is None else draft[: stop + 1]
+            drafts.append(draft)
+        k = drafting.width.choose([len(d) for d in drafts])
+        return [d[:k] for d in drafts]
+
+    def _sample(
+        self,
+        logits: torch.Tensor,
+        params: list[SamplingParams],
+        seeds: torch.Tensor,
+        positions: torch.Tensor,
+        rejected: list[int | None],
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The token at every fed column's next position and its behaviour logprob, both [B, K+1].
+        Column j's token is sampled with the counter-based uniform of its position, so it is the
+        token decoding without drafts would sample there. A rejected token (`reject_token` of the
+        request) is removed from the first column's distribution; its logprob stays the full one."""
+        batch, columns, vocab = logits.shape
+        logprobs = sampling_logprobs(
+            logits.reshape(-1, vocab), [p for p in params for _ in range(columns)]
+        ).view(batch, columns, vocab)
+        draw_from = logprobs
+        if any(r is not None for r in rejected):
+            draw_from = logprobs.clone()
+            draw_from[:, 0] = _residual(logprobs[:, 0], rejected)
+        targets = positions[:, None] + 1 + torch.arange(columns, device=logits.device)
+        uniforms = seeded_uniform(
+            seeds[:, None].expand(-1, columns).reshape(-1), targets.reshape(-1)
+        )
+        sampled = sample_from_logprobs(draw_from.reshape(-1, vocab), uniforms).view(batch, columns)
+        return sampled, logprobs.gather(2, sampled[..., None]).squeeze(2)
 
     def _prefill(self, contexts: list[list[int]]) -> tuple[DynamicCache, torch.Tensor]:
         """KV cache and attention mask [B, W] for each context minus its last token. Rows whose
@@ -210,6 +300,31 @@ class HFEngine:
             use_cache=cache is not None,
             logits_to_keep=1 if last_only else 0,
         ).logits
+
+
+def _accepted(sampled: torch.Tensor, fed: torch.Tensor, proposed: torch.Tensor) -> torch.Tensor:
+    """Draft tokens accepted per row: the longest prefix of the drafts (fed[:, 1:]) equal to the
+    tokens sampled at their positions.
+
+    This is the exact rule of a point-mass proposal as a maximal coupling: the sample at a
+    draft token's position equals the draft d with probability p(d) (accept), and given that it
+    does not, it is distributed as p with d removed and renormalised (the residual), which is
+    what the row emits next. Drafts decide how many tokens a forward yields, never which ones."""
+    cols = torch.arange(fed.shape[1] - 1, device=fed.device)
+    match = (sampled[:, :-1] == fed[:, 1:]) & (cols[None] < proposed[:, None])
+    return match.int().cumprod(1).sum(1)
+
+
+def _compact(cache: DynamicCache, attention: torch.Tensor) -> torch.Tensor:
+    """Drop KV columns no row attends to (rejected drafts): every row's kept columns move to the
+    right end in order, the cache narrows to the longest row. → the new attention mask."""
+    width = int(attention.sum(1).max())
+    keep = attention.sort(dim=1, stable=True).indices[:, -width:]  # [B, W'] ones last, in order
+    for layer in cache.layers:
+        index = keep[:, None, :, None].expand(-1, layer.keys.shape[1], -1, layer.keys.shape[3])
+        layer.keys = layer.keys.gather(2, index)
+        layer.values = layer.values.gather(2, index)
+    return attention.gather(1, keep)
 
 
 def _residual(logprobs: torch.Tensor, rejected: Sequence[int | None]) -> torch.Tensor:

@@ -1,0 +1,102 @@
+"""Model-free speculative decoding: where drafts come from and how many to verify per forward.
+
+An engine that supports it asks a `DraftSource` for up to K draft tokens per sequence before each
+decode forward, feeds them after the sequence's last token and keeps the longest prefix the
+exact rule accepts. `DraftWidth` chooses K (0 included) for every forward.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+import numpy as np
+
+
+class DraftSource(Protocol):
+    def propose(self, request: int, new_tokens: Sequence[int], max_tokens: int) -> list[int]:
+        """Up to `max_tokens` tokens to follow request `request`'s new tokens so far."""
+        ...
+
+    def finished(self, request: int, new_tokens: Sequence[int]) -> None:
+        """Request `request` finished with these new tokens (a source may learn from them)."""
+        ...
+
+
+class DraftWidth:
+    """Chooses K, the draft tokens verified per sequence in a decode forward, to maximise expected
+    tokens per second.
+
+    A forward over B sequences with K drafts computes B·(K+1) tokens and costs c0 + c1·B·(K+1)
+    seconds; c0 and c1 are fitted (exponentially weighted least squares) to the engine's own
+    decode forwards. A sequence whose source proposed L tokens produces 1 + α + … + α^min(L, K)
+    tokens in expectation, α being the measured per-token acceptance rate. With a large batch and
+    low acceptance the best K is 0; in the long tail of a batch, where c0 dominates, it is large.
+    `adaptive=False` always takes every proposed token up to `max_tokens`.
+    """
+
+    def __init__(self, max_tokens: int, adaptive: bool = True, decay: float = 0.98) -> None:
+        self.max_tokens = max_tokens
+        self.adaptive = adaptive
+        self.decay = decay
+        self._fit = np.zeros(5)  # weighted sums of 1, n, t, n², n·t over forwards
+        self._trials, self._accepted = 2.0, 1.0  # prior α = 0.5
+        self.choices: Counter[int] = Counter()  # K chosen per forward, since the last reset
+
+    @property
+    def acceptance(self) -> float:
+        return self._accepted / self._trials
+
+    def cost(self) -> tuple[float, float] | None:
+        """(c0, c1), or None until the forwards seen differ enough in size to separate them."""
+        w, n, t, nn, nt = self._fit
+        if w < 4:
+            return None
+        var = nn / w - (n / w) ** 2
+        if var <= 1e-9 * max(nn / w, 1.0):
+            return None
+        c1 = (nt / w - (n / w) * (t / w)) / var
+        c0 = t / w - c1 * n / w
+        return max(c0, 0.0), max(c1, 1e-12)
+
+    def choose(self, lengths: Sequence[int]) -> int:
+        longest = min(max(lengths, default=0), self.max_tokens)
+        k = longest
+        cost = self.cost() if self.adaptive and longest > 0 else None
+        if cost is not None:
+            c0, c1 = cost
+            alpha = min(self.acceptance, 0.999)
+            caps = np.minimum(np.asarray(lengths), longest)[None, :]
+            widths = np.arange(longest + 1)[:, None]
+            expected = (1 - alpha ** (np.minimum(caps, widths) + 1)) / (1 - alpha)  # [K+1, B]
+            seconds = c0 + c1 * len(lengths) * (widths[:, 0] + 1)
+            k = int(np.argmax(expected.sum(1) / seconds))
+        self.choices[k] += 1
+        return k
+
+    def observe_forward(self, tokens: int, seconds: float) -> None:
+        self._fit = self.decay * self._fit + np.array(
+            [1.0, tokens, seconds, tokens * tokens, tokens * seconds]
+        )
+
+    def observe_drafts(self, proposed: Sequence[int], accepted: Sequence[int]) -> None:
+        """Per sequence: draft tokens verified and how many of them were accepted. Each accepted
+        token is a success; the first rejected one (if any) a failure."""
+        trials = sum(a + (a < p) for p, a in zip(proposed, accepted, strict=True) if p > 0)
+        if trials:
+            self._trials = self.decay * self._trials + trials
+            self._accepted = self.decay * self._accepted + sum(accepted)
+
+    def reset_choices(self) -> Counter[int]:
+        choices, self.choices = self.choices, Counter()
+        return choices
+
+
+@dataclass
+class Drafting:
+    """What `generate` needs to speculate: the draft source and the width controller."""
+
+    source: DraftSource
+    width: DraftWidth
