@@ -1,9 +1,10 @@
 """Checkpoints: everything a resume needs, written atomically.
 
 Layout: RUN_DIR/checkpoints/global_step_{s}/ with the policy and tokenizer (save_pretrained) and
-trainer_state.pt (optimizer, scheduler, RNG states, loader position, step, rollout store). The
-directory is written under a temporary name, fsynced and renamed, so a process killed mid-save
-leaves the previous checkpoints intact and no half checkpoint under a final name.
+trainer_state.pt (optimizer, scheduler, RNG states, loader position, step, rollout store, token
+trees and draft-width statistics). The directory is written under a temporary name, fsynced and
+renamed, so a process killed mid-save leaves the previous checkpoints intact and no half
+checkpoint under a final name.
 """
 
 from __future__ import annotations
@@ -45,6 +46,8 @@ def save_checkpoint(trainer: Trainer) -> Path:
         "scheduler": trainer.scheduler.state_dict(),
         "loader": trainer.loader.state_dict(),
         "rollout_store": trainer.store.state_dict(),
+        "token_tree": None if trainer.rollout.tree is None else trainer.rollout.tree.state_dict(),
+        "draft_width": trainer.rollout.draft_width.state_dict(),
         "rng": {
             "python": random.getstate(),
             "numpy": np.random.get_state(),
@@ -97,6 +100,10 @@ def restore(trainer: Trainer, state: dict[str, Any]) -> None:
     trainer.scheduler.load_state_dict(state["scheduler"])
     trainer.loader.load_state_dict(state["loader"])
     trainer.store.load_state_dict(state["rollout_store"])
+    if trainer.rollout.tree is not None and state.get("token_tree") is not None:
+        trainer.rollout.tree.load_state_dict(state["token_tree"])
+    if "draft_width" in state:
+        trainer.rollout.draft_width.load_state_dict(state["draft_width"])
     random.setstate(state["rng"]["python"])
     np.random.set_state(state["rng"]["numpy"])
     torch.set_rng_state(state["rng"]["torch"])

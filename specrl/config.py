@@ -63,6 +63,30 @@ class ModelConfig(Section):
     )
 
 
+class TreeConfig(Section):
+    enabled: bool = Field(
+        False, description="token-tree drafts (SRT) for the tokens that still have to be decoded"
+    )
+    max_draft_tokens: int = Field(
+        8, ge=1, description="K: most draft tokens verified per sequence in one decode forward"
+    )
+    adaptive: bool = Field(
+        True,
+        description="choose K per forward (0 included) from measured acceptance and forward cost",
+    )
+    window: int = Field(
+        2, ge=1, description="rollouts of a prompt (the current one included) its tree keeps"
+    )
+    online: bool = Field(
+        True, description="add each response to its tree as it finishes, for slots still decoding"
+    )
+    max_nodes: int = Field(
+        2_000_000,
+        ge=1,
+        description="most tree nodes over all prompts; least recently rolled-out prompts go first",
+    )
+
+
 class SpecConfig(Section):
     enabled: bool = Field(
         False, description="speculative rollouts: reuse last epoch's response as a draft"
@@ -82,6 +106,7 @@ class SpecConfig(Section):
     verify_chunk_size: int = Field(
         16, ge=1, description="draft tokens per pass in chunked verification"
     )
+    tree: TreeConfig = Field(default_factory=TreeConfig)
 
 
 class RolloutConfig(Section):

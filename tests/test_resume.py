@@ -12,7 +12,13 @@ from specrl.config import load_config
 from specrl.trainer import Trainer
 from tests.conftest import read_metrics, small_config
 
-SPEC = ["data.train_size=8", "rollout.spec.enabled=true", "trainer.test_freq=2"]
+SPEC = [
+    "data.train_size=8",
+    "rollout.spec.enabled=true",
+    "rollout.spec.tree.enabled=true",
+    "rollout.spec.tree.adaptive=false",  # the adaptive width depends on timings
+    "trainer.test_freq=2",
+]
 
 
 def comparable(metrics):
@@ -36,6 +42,7 @@ def test_resume_at_an_epoch_boundary_with_speculation_matches_the_straight_run(
     a, b = comparable(read_metrics(straight)), comparable(read_metrics(split))
     assert [m["training/global_step"] for m in b] == [0, 1, 2, 3, 4]
     assert b[3]["spec/draft_ratio"] == 1 and b[3]["training/epoch"] == 1
+    assert b[3]["spec/tree/nodes"] > 0  # restored trees: equal node counts below
     for x, y in zip(a, b, strict=True):
         assert x.keys() == y.keys()
         for key in x:

@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -88,6 +88,13 @@ class DraftWidth:
         if trials:
             self._trials = self.decay * self._trials + trials
             self._accepted = self.decay * self._accepted + sum(accepted)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"fit": self._fit.copy(), "trials": self._trials, "accepted": self._accepted}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self._fit = np.asarray(state["fit"], dtype=np.float64).copy()
+        self._trials, self._accepted = float(state["trials"]), float(state["accepted"])
 
     def reset_choices(self) -> Counter[int]:
         choices, self.choices = self.choices, Counter()

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -18,7 +18,9 @@ import torch
 from specrl.config import SpecConfig
 from specrl.engines import GenRequest, GenResult, RolloutEngine, SamplingParams, ScoreRequest
 from specrl.engines.sampling import seeded_uniform
+from specrl.engines.speculation import Drafting, DraftWidth
 from specrl.spec.store import RolloutStore, StoredRollout
+from specrl.spec.tree import TokenTree, TreeDrafts
 from specrl.spec.verify import accept_mask, cut_indices
 from specrl.types import Prompt, Rollout
 
@@ -74,6 +76,8 @@ class RolloutStage:
         self.max_response_length = max_response_length
         self.spec = spec
         self.store = store
+        self.tree = TokenTree(spec.tree.window, spec.tree.max_nodes) if spec.tree.enabled else None
+        self.draft_width = DraftWidth(spec.tree.max_draft_tokens, spec.tree.adaptive)
 
     def __call__(
         self,
@@ -96,9 +100,16 @@ class RolloutStage:
             request = self._continuation(prompt, draft, check, seeds[i])
             if request is not None:
                 requests[i] = request
+        drafting, evicted = self._tree_drafting(slots, drafts, verified, requests)
         gen_start = time.perf_counter()
-        results = dict(zip(requests, self.engine.generate(list(requests.values())), strict=True))
+        generated = self.engine.generate(list(requests.values()), drafting)
+        results = dict(zip(requests, generated, strict=True))
         gen_time = time.perf_counter() - gen_start
+        if self.tree is not None and not self.spec.tree.online:
+            for i, r in results.items():
+                self.tree.insert(slots[i][0].prompt_id, [*requests[i].prefix_ids, *r.token_ids])
+        if self.tree is not None:
+            evicted += self.tree.evict()
 
         rollouts = [
             self._assemble(prompt, slot, draft, check, results.get(i), policy_version)
@@ -120,6 +131,8 @@ class RolloutStage:
         _accumulate(metrics, "timing_s/verify", verify_time)
         _accumulate(metrics, "timing_s/rollout", time.perf_counter() - start)
         self._metrics(metrics, rollouts, verified, results, verified_tokens)
+        if self.tree is not None:
+            self._tree_metrics(metrics, results.values(), evicted)
         return rollouts
 
     # ---------------------------------------------------------------- drafts and verification
@@ -187,6 +200,63 @@ class RolloutStage:
         )  # [B, T]
         accepted = accept_mask(new_t, old_t, uniforms, self.spec.acceptance, self.spec.log_lenience)
         return cut_indices(accepted, lengths).tolist()
+
+    # ---------------------------------------------------------------- token-tree drafts
+    def _tree_drafting(
+        self,
+        slots: list[tuple[Prompt, int]],
+        drafts: list[StoredRollout | None],
+        verified: list[Verified | None],
+        requests: dict[int, GenRequest],
+    ) -> tuple[Drafting | None, int]:
+        """Start a round for every prompt of the batch (dropping responses outside the window),
+        add the drafts reused whole (they are final already), and give the engine a draft source
+        over the trees. → (drafting or None, nodes freed)."""
+        if self.tree is None:
+            return None, 0
+        freed = sum(self.tree.begin(pid) for pid in dict.fromkeys(p.prompt_id for p, _ in slots))
+        for i, ((prompt, _), draft, check) in enumerate(zip(slots, drafts, verified, strict=True)):
+            if i not in requests:
+                self.tree.insert(prompt.prompt_id, draft.token_ids[: check.cut].tolist())
+        source = TreeDrafts(
+            self.tree,
+            [slots[i][0].prompt_id for i in requests],
+            [r.prefix_ids for r in requests.values()],
+            self.spec.tree.online,
+        )
+        return Drafting(source, self.draft_width), freed
+
+    def _tree_metrics(
+        self, metrics: dict[str, float], results: Iterable[GenResult], evicted: int
+    ) -> None:
+        counts = {
+            "spec/tree/forwards": 0,
+            "spec/tree/draft_tokens": 0,
+            "spec/tree/accepted_tokens": 0,
+        }
+        for r in results:
+            counts["spec/tree/forwards"] += r.forwards
+            counts["spec/tree/draft_tokens"] += r.draft_tokens
+            counts["spec/tree/accepted_tokens"] += r.accepted_tokens
+        counts["spec/tree/evicted_nodes"] = evicted
+        for key, value in counts.items():
+            _accumulate(metrics, key, value)
+        for k, forwards in self.draft_width.reset_choices().items():
+            _accumulate(metrics, "spec/tree/width_forwards", forwards)
+            _accumulate(metrics, "spec/tree/width_sum", k * forwards)
+        # tokens a sequence gains per decode forward: accepted draft tokens + the one sampled
+        metrics["spec/tree/mean_accepted_per_forward"] = metrics["spec/decoded_tokens"] / max(
+            metrics["spec/tree/forwards"], 1
+        )
+        metrics["spec/tree/acceptance_rate"] = metrics["spec/tree/accepted_tokens"] / max(
+            metrics["spec/tree/draft_tokens"], 1
+        )
+        metrics["spec/tree/mean_width"] = metrics.get("spec/tree/width_sum", 0.0) / max(
+            metrics.get("spec/tree/width_forwards", 0.0), 1
+        )
+        metrics["spec/tree/acceptance_estimate"] = self.draft_width.acceptance
+        metrics["spec/tree/nodes"] = self.tree.nodes
+        metrics["spec/tree/prompts"] = len(self.tree)
 
     # ---------------------------------------------------------------- continue and assemble
     def _continuation(

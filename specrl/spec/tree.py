@@ -170,6 +170,36 @@ class Cursor:
         return [] if node is None or k <= 0 else self.tree.continuation(node, k)
 
 
+class TreeDrafts:
+    """The draft source of one `generate` call: request i continues the response of prompt
+    `prompt_ids[i]` after `prefixes[i]` (the draft prefix SPEC-RL kept, possibly empty).
+    With `online`, a finished response joins its prompt's tree at once."""
+
+    def __init__(
+        self,
+        tree: TokenTree,
+        prompt_ids: Sequence[str],
+        prefixes: Sequence[Sequence[int]],
+        online: bool,
+    ) -> None:
+        self.tree = tree
+        self.prompt_ids = list(prompt_ids)
+        self.prefixes = [list(p) for p in prefixes]
+        self.online = online
+        self._cursors = [tree.cursor(pid, p) for pid, p in zip(prompt_ids, prefixes, strict=True)]
+
+    def propose(self, request: int, new_tokens: Sequence[int], max_tokens: int) -> list[int]:
+        cursor = self._cursors[request]
+        if cursor is None:
+            return []
+        cursor.extend(new_tokens[len(cursor.tokens) - len(self.prefixes[request]) :])
+        return cursor.propose(max_tokens)
+
+    def finished(self, request: int, new_tokens: Sequence[int]) -> None:
+        if self.online:
+            self.tree.insert(self.prompt_ids[request], self.prefixes[request] + list(new_tokens))
+
+
 class TokenTree:
     """Token trees of every prompt, keyed by prompt id, least recently rolled out first."""
 
@@ -181,6 +211,9 @@ class TokenTree:
 
     def __len__(self) -> int:
         return len(self._trees)
+
+    def get(self, prompt_id: str) -> PromptTree | None:
+        return self._trees.get(prompt_id)
 
     def begin(self, prompt_id: str) -> int:
         """The prompt is rolled out in this step: drop responses outside the window, mark it

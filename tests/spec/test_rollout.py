@@ -101,7 +101,7 @@ def test_chunked_verification_matches_full_and_verifies_less(acceptance):
     assert m_chunked["spec/verified_tokens"] < m_full["spec/verified_tokens"]
 
 
-def _response_probabilities(engine, prompt, vocab, max_len):
+def response_probabilities(engine, prompt, vocab, max_len):
     """Exact probability of every complete response (ends at EOS or at max_len tokens)."""
     responses = [
         seq
@@ -142,7 +142,7 @@ def test_exact_rule_matches_the_target_distribution_with_adversarial_drafts(acce
         0 < metrics["spec/reused_tokens"] < sum(len(r.token_ids) for r in rollouts)
     )  # drafts partly kept
 
-    probs = _response_probabilities(target, prompt.ids, vocab, max_len)
+    probs = response_probabilities(target, prompt.ids, vocab, max_len)
     assert sum(probs.values()) == pytest.approx(1.0, abs=1e-4)
     counts = dict.fromkeys(probs, 0)
     for r in rollouts:

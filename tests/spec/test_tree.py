@@ -1,6 +1,17 @@
 import random
 
+import pytest
+from scipy.stats import chisquare
+
+from specrl.config import SpecConfig, TreeConfig
+from specrl.engines import SamplingParams
+from specrl.engines.hf import HFEngine
+from specrl.spec.rollout import RolloutStage, generate_rollouts
+from specrl.spec.store import RolloutStore
 from specrl.spec.tree import Cursor, PromptTree, TokenTree
+from specrl.types import Example, Prompt
+from tests.conftest import EOS, PAD, make_tiny_model
+from tests.spec.test_rollout import response_probabilities
 
 
 class Reference:
@@ -139,3 +150,98 @@ def test_state_dict_round_trip():
             assert restored.propose(pid, query, 6) == tree.propose(pid, query, 6)
     tree.begin("x"), restored.begin("x")  # rounds survive: the same responses fall out
     assert restored.nodes == tree.nodes
+
+
+PROMPTS = [Prompt(ids, Example(str(ids), "", "test")) for ids in [(3, 4, 5), (6, 7), (2, 8, 9, 10)]]
+SAMPLING = SamplingParams(1.0)
+
+
+def tree_stage(engine, store=None, spec=False, **tree):
+    tree = {"enabled": True, "adaptive": False, **tree}
+    return RolloutStage(
+        engine,
+        SAMPLING,
+        12,
+        SpecConfig(enabled=spec, tree=TreeConfig(**tree)),
+        RolloutStore() if store is None else store,
+    )
+
+
+@pytest.mark.parametrize("online", [True, False])
+def test_tree_drafts_speed_decoding_without_changing_rollouts(online):
+    engine = HFEngine(make_tiny_model(seed=0, init=1.0), [EOS], PAD)
+    stage = tree_stage(engine, online=online)
+    for step in range(3):
+        metrics = {}
+        rollouts = stage(PROMPTS, 4, ("s", step), step, metrics)
+        vanilla = generate_rollouts(engine, PROMPTS, 4, SAMPLING, 12, ("s", step), step)
+        assert [r.token_ids for r in rollouts] == [r.token_ids for r in vanilla]
+        assert metrics["spec/tree/nodes"] == stage.tree.nodes > 0
+        assert metrics["spec/tree/prompts"] == 3
+    # by now trees hold earlier responses: drafts are proposed, some accepted
+    assert 0 < metrics["spec/tree/accepted_tokens"] < metrics["spec/tree/draft_tokens"]
+    assert metrics["spec/tree/mean_accepted_per_forward"] > 1
+    assert metrics["spec/tree/forwards"] < metrics["spec/decoded_tokens"]
+    assert metrics["spec/tree/mean_width"] > 0
+
+
+def test_spec_rl_plus_tree_equals_spec_rl_alone(engine):
+    plain, with_tree = RolloutStore(), RolloutStore()
+    runs = [
+        RolloutStage(engine, SAMPLING, 12, SpecConfig(enabled=True), plain),
+        tree_stage(engine, with_tree, spec=True),
+    ]
+    for step in range(3):
+        engine.model = make_tiny_model(seed=step)  # the policy changes: drafts get cut
+        a, b = (run(PROMPTS, 4, ("s", step), step, {}) for run in runs)
+        assert [r.token_ids for r in a] == [r.token_ids for r in b]
+    # fully reused drafts and continuations after a cut enter the tree as whole responses
+    for r in b:
+        stored = [t for _, t in runs[1].tree.get(r.prompt.prompt_id).responses]
+        assert tuple(r.token_ids) in stored
+
+
+def test_window_and_node_limit_are_reported():
+    engine = HFEngine(make_tiny_model(seed=0, init=1.0), [EOS], PAD)
+    stage = tree_stage(engine, window=1, max_nodes=30)
+    metrics = {}
+    for step in range(2):
+        metrics = {}
+        stage(PROMPTS, 4, ("s", step), step, metrics)
+    assert metrics["spec/tree/evicted_nodes"] > 0
+    assert metrics["spec/tree/nodes"] == stage.tree.nodes <= 30
+
+
+def test_exact_with_adversarial_tree_drafts_matches_the_target_distribution():
+    """20k slots decoded with tree drafts built from another policy's samples: complete responses
+    are distributed as the current policy's own samples (chi-square, p > 1e-3)."""
+    vocab, max_len, n = 5, 3, 20_000
+    prompt = Prompt((2, 3), Example("p", "", "test"))
+    target = HFEngine(
+        make_tiny_model(seed=5, vocab_size=vocab, init=0.5), [EOS], PAD, max_batch_size=n
+    )
+    drafter = HFEngine(
+        make_tiny_model(seed=9, vocab_size=vocab, init=0.5), [EOS], PAD, max_batch_size=n
+    )
+    stage = RolloutStage(
+        target,
+        SAMPLING,
+        max_len,
+        SpecConfig(tree=TreeConfig(enabled=True, adaptive=False, online=False)),
+        RolloutStore(),
+    )
+    stage.tree.begin(prompt.prompt_id)
+    for r in generate_rollouts(drafter, [prompt], 64, SAMPLING, max_len, ("draft",), 0):
+        stage.tree.insert(prompt.prompt_id, r.token_ids)
+    metrics = {}
+    rollouts = stage([prompt], n, ("spec",), 1, metrics)
+    assert 0 < metrics["spec/tree/accepted_tokens"] < metrics["spec/tree/draft_tokens"]
+
+    probs = response_probabilities(target, prompt.ids, vocab, max_len)
+    counts = dict.fromkeys(probs, 0)
+    for r in rollouts:
+        counts[tuple(r.token_ids)] += 1
+    common = [seq for seq, p in probs.items() if p * n >= 5]
+    observed = [counts[s] for s in common] + [n - sum(counts[s] for s in common)]
+    expected = [probs[s] * n for s in common] + [n - sum(probs[s] * n for s in common)]
+    assert chisquare(observed, expected, sum_check=False).pvalue > 1e-3
