@@ -1,5 +1,8 @@
 """`specrl bench`: vanilla and speculative training, same config, seed and data, one process.
 
+Arms: vanilla, spec (SPEC-RL prefix reuse), tree (token-tree drafts only) and spec+tree; the
+default is vanilla and spec, `--arms` picks others.
+
 Writes DIR/bench.json and DIR/bench.png. Speeds are totals over the whole run, measured with
 wall clocks around the rollout stage (verification included) and around whole steps.
 """
@@ -8,6 +11,7 @@ from __future__ import annotations
 
 import json
 import platform
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -15,23 +19,44 @@ import torch
 import transformers
 
 from specrl.config import Config
+from specrl.errors import UserError
 from specrl.plots import plot_metrics
 from specrl.trainer import Trainer
 
-ARMS = ("vanilla", "spec")
+ARMS = {  # arm → (SPEC-RL prefix reuse, token-tree drafts)
+    "vanilla": (False, False),
+    "spec": (True, False),
+    "tree": (False, True),
+    "spec+tree": (True, True),
+}
+DEFAULT_ARMS = ("vanilla", "spec")
 BENCH_PANELS = [
     ("timing_s/rollout", "rollout time per step (s)"),
     ("critic/score/mean", "reward (critic/score/mean)"),
     ("val/acc/mean@1", "held-out accuracy (val/acc/mean@1)"),
     ("spec/reused_token_ratio", "reused token ratio"),
 ]
+TREE_PANEL = ("spec/tree/mean_accepted_per_forward", "tokens per sequence per decode forward")
 
 
-def run_bench(cfg: Config, out_dir: Path, log=print) -> dict[str, Any]:
+def parse_arms(text: str) -> tuple[str, ...]:
+    arms = tuple(a.strip() for a in text.split(",") if a.strip())
+    unknown = [a for a in arms if a not in ARMS]
+    if unknown or "vanilla" not in arms or len(arms) < 2:
+        raise UserError(
+            f"--arms {text!r}: give vanilla and at least one of {', '.join(list(ARMS)[1:])}, "
+            "comma-separated" + (f" (unknown: {', '.join(unknown)})" if unknown else "")
+        )
+    return tuple(dict.fromkeys(arms))
+
+
+def run_bench(
+    cfg: Config, out_dir: Path, arms: Sequence[str] = DEFAULT_ARMS, log=print
+) -> dict[str, Any]:
     histories: dict[str, list[dict[str, float]]] = {}
-    for arm in ARMS:
+    for arm in arms:
         arm_cfg = cfg.model_copy(deep=True)
-        arm_cfg.rollout.spec.enabled = arm == "spec"
+        arm_cfg.rollout.spec.enabled, arm_cfg.rollout.spec.tree.enabled = ARMS[arm]
         arm_cfg.trainer.output_dir = str(out_dir / arm)
         arm_cfg.trainer.resume_mode = "disable"  # a benchmark always measures a fresh run
         arm_cfg.trainer.experiment_name = f"{cfg.trainer.experiment_name}-{arm}"
@@ -39,17 +64,67 @@ def run_bench(cfg: Config, out_dir: Path, log=print) -> dict[str, Any]:
         trainer = Trainer(arm_cfg)
         trainer.fit()
         histories[arm] = trainer.tracker.history
-    result = summarize(histories["vanilla"], histories["spec"], cfg)
+    result = summarize(histories, cfg)
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "bench.json").write_text(json.dumps(result, indent=2))
-    plot_metrics(histories, BENCH_PANELS, out_dir / "bench.png")
+    panels = BENCH_PANELS + ([TREE_PANEL] if any(ARMS[a][1] for a in arms) else [])
+    plot_metrics(histories, panels, out_dir / "bench.png")
     return result
 
 
-def summarize(
-    vanilla: list[dict[str, float]], spec: list[dict[str, float]], cfg: Config
-) -> dict[str, Any]:
-    v_steps, s_steps = _train_steps(vanilla), _train_steps(spec)
+def summarize(histories: dict[str, list[dict[str, float]]], cfg: Config) -> dict[str, Any]:
+    """The SPEC-RL comparison (spec against vanilla) at the top level when the spec arm ran, and
+    every arm's speed and accuracy under `arms`."""
+    steps = {arm: _train_steps(h) for arm, h in histories.items()}
+    rollout = {arm: _total(s, "timing_s/rollout") for arm, s in steps.items()}
+    result: dict[str, Any] = {}
+    if "spec" in steps:
+        result.update(_spec_rl(steps["vanilla"], steps["spec"]))
+        result["final_acc_vanilla"] = _last(histories["vanilla"], "val/acc/mean@1")
+        result["final_acc_spec"] = _last(histories["spec"], "val/acc/mean@1")
+    result["arms"] = {}
+    for arm, arm_steps in steps.items():
+        summary = {
+            "rollout_time_s": rollout[arm],
+            "step_time_s": _total(arm_steps, "timing_s/step"),
+            "rollout_speedup": rollout["vanilla"] / rollout[arm],
+            "step_speedup": _total(steps["vanilla"], "timing_s/step")
+            / _total(arm_steps, "timing_s/step"),
+            "final_acc": _last(histories[arm], "val/acc/mean@1"),
+            "decoded_tokens": _total(arm_steps, "spec/decoded_tokens"),
+            "reused_token_ratio": _reuse(arm_steps),
+        }
+        if "spec" in rollout and arm != "spec":
+            summary["rollout_speedup_vs_spec"] = rollout["spec"] / rollout[arm]
+        if ARMS[arm][1]:
+            forwards = _total(arm_steps, "spec/tree/forwards")
+            summary["mean_accepted_per_forward"] = summary["decoded_tokens"] / max(forwards, 1)
+            summary["tree_draft_tokens"] = _total(arm_steps, "spec/tree/draft_tokens")
+            summary["tree_accepted_tokens"] = _total(arm_steps, "spec/tree/accepted_tokens")
+            summary["tree_acceptance_rate"] = summary["tree_accepted_tokens"] / max(
+                summary["tree_draft_tokens"], 1
+            )
+            summary["tree_mean_width"] = _total(arm_steps, "spec/tree/width_sum") / max(
+                _total(arm_steps, "spec/tree/width_forwards"), 1
+            )
+            summary["tree_nodes_max"] = max(m.get("spec/tree/nodes", 0) for m in arm_steps)
+        result["arms"][arm] = summary
+    result.update(
+        steps=len(steps["vanilla"]),
+        acceptance=cfg.rollout.spec.acceptance,
+        log_lenience=cfg.rollout.spec.log_lenience,
+        verify_mode=cfg.rollout.spec.verify_mode,
+        tree=cfg.rollout.spec.tree.model_dump(exclude={"enabled"}),
+        engine=f"{cfg.rollout.name} (transformers {transformers.__version__}, "
+        f"torch {torch.__version__})",
+        machine=f"{platform.machine()} {platform.processor() or ''} "
+        f"{torch.get_num_threads()} threads".strip(),
+        device="cpu",
+    )
+    return result
+
+
+def _spec_rl(v_steps: list[dict[str, float]], s_steps: list[dict[str, float]]) -> dict[str, Any]:
     v_rollout, s_rollout = _total(v_steps, "timing_s/rollout"), _total(s_steps, "timing_s/rollout")
     # r: seconds per verified token (spec arm) over seconds per decoded token (vanilla arm)
     verify_per_token = _total(s_steps, "timing_s/verify") / max(
@@ -71,8 +146,6 @@ def summarize(
         / max(_total(s_steps, "spec/response_tokens"), 1),
         "verify_cost_ratio": r,
         "limit_speedup": 1.0 / ((1.0 - a) + r * a),
-        "final_acc_vanilla": _last(vanilla, "val/acc/mean@1"),
-        "final_acc_spec": _last(spec, "val/acc/mean@1"),
         "rollout_time_s": {"vanilla": v_rollout, "spec": s_rollout},
         "step_time_s": {
             "vanilla": _total(v_steps, "timing_s/step"),
@@ -82,13 +155,6 @@ def summarize(
             "vanilla": _total(v_steps, "spec/decoded_tokens"),
             "spec": _total(s_steps, "spec/decoded_tokens"),
         },
-        "steps": len(s_steps),
-        "acceptance": cfg.rollout.spec.acceptance,
-        "log_lenience": cfg.rollout.spec.log_lenience,
-        "verify_mode": cfg.rollout.spec.verify_mode,
-        "engine": f"{cfg.rollout.name} (transformers {transformers.__version__}, torch {torch.__version__})",
-        "machine": f"{platform.machine()} {platform.processor() or ''} {torch.get_num_threads()} threads".strip(),
-        "device": "cpu",
     }
 
 

@@ -26,6 +26,11 @@ def main(argv: list[str] | None = None) -> int:
     bench.add_argument("--config", help="YAML run config; defaults are the built-in quickstart")
     bench.add_argument("--out", default="bench", help="output directory (default: bench)")
     bench.add_argument(
+        "--arms",
+        default="vanilla,spec",
+        help="comma-separated arms among vanilla, spec, tree, spec+tree (default: vanilla,spec)",
+    )
+    bench.add_argument(
         "overrides",
         nargs="*",
         metavar="key=value",
@@ -43,7 +48,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "train":
             return _train(args.config, args.overrides)
         if args.command == "bench":
-            return _bench(args.config, args.out, args.overrides)
+            return _bench(args.config, args.out, args.arms, args.overrides)
         if args.command == "report":
             return _report(args.run_dir)
         return _toy_policy(args.force)
@@ -68,14 +73,15 @@ def _train(config_path: str | None, overrides: list[str]) -> int:
     return 0
 
 
-def _bench(config_path: str | None, out: str, overrides: list[str]) -> int:
+def _bench(config_path: str | None, out: str, arms: str, overrides: list[str]) -> int:
     import json
     from pathlib import Path
 
-    from specrl.bench import run_bench
+    from specrl.bench import parse_arms, run_bench
     from specrl.config import load_config
 
-    result = run_bench(load_config(config_path, overrides), Path(out))
+    arm_names = parse_arms(arms)
+    result = run_bench(load_config(config_path, overrides), Path(out), arm_names)
     print(json.dumps(result, indent=2))
     return 0
 

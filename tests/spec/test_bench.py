@@ -1,17 +1,21 @@
 import json
 import math
 
-from specrl.bench import run_bench
+import pytest
+
+from specrl.bench import ARMS, parse_arms, run_bench
+from specrl.cli import main
+from specrl.errors import UserError
 from tests.conftest import small_config
 
 
-def test_bench_trains_both_arms_and_writes_json_and_plot(tiny_policy_dir, tmp_path):
+def test_bench_trains_every_arm_and_writes_json_and_plot(tiny_policy_dir, tmp_path):
     # 8 training prompts, 4 per step: every prompt is seen again from step 3 on, so drafts exist
     cfg = small_config(
         tiny_policy_dir, tmp_path / "unused", "data.train_size=8", "trainer.total_training_steps=4",
-        "trainer.save_freq=0", "trainer.test_freq=2",
+        "trainer.save_freq=0", "trainer.test_freq=2", "rollout.spec.tree.adaptive=false",
     )  # fmt: skip
-    result = run_bench(cfg, tmp_path / "bench", log=lambda _: None)
+    result = run_bench(cfg, tmp_path / "bench", tuple(ARMS), log=lambda _: None)
     on_disk = json.loads((tmp_path / "bench" / "bench.json").read_text())
     assert on_disk == result
     assert (tmp_path / "bench" / "bench.png").stat().st_size > 10_000
@@ -20,9 +24,28 @@ def test_bench_trains_both_arms_and_writes_json_and_plot(tiny_policy_dir, tmp_pa
     assert 0 < result["reused_token_ratio"] <= 1
     assert result["final_acc_vanilla"] is not None and result["final_acc_spec"] is not None
     assert result["decoded_tokens"]["spec"] < result["decoded_tokens"]["vanilla"]
+    arms = result["arms"]
+    assert set(arms) == set(ARMS)
+    assert arms["vanilla"]["rollout_speedup"] == 1
+    assert arms["spec"]["rollout_speedup"] == result["rollout_speedup"]
+    for arm in ("tree", "spec+tree"):
+        assert arms[arm]["tree_draft_tokens"] > 0 and arms[arm]["mean_accepted_per_forward"] >= 1
+        assert "rollout_speedup_vs_spec" in arms[arm]
+    # token-tree drafts never change what is sampled: same tokens, same training
+    assert arms["tree"]["decoded_tokens"] == arms["vanilla"]["decoded_tokens"]
+    assert arms["tree"]["final_acc"] == arms["vanilla"]["final_acc"]
+    assert arms["spec+tree"]["decoded_tokens"] == arms["spec"]["decoded_tokens"]
     # the vanilla arm never reads the store; the spec arm starts reusing once prompts repeat
     vanilla = [
         json.loads(x)
         for x in (tmp_path / "bench" / "vanilla" / "metrics.jsonl").read_text().splitlines()
     ]
     assert all(m.get("spec/reused_tokens", 0) == 0 for m in vanilla)
+
+
+def test_arms_are_checked(capsys):
+    assert parse_arms("vanilla, tree,tree") == ("vanilla", "tree")
+    with pytest.raises(UserError, match="unknown: fast"):
+        parse_arms("vanilla,fast")
+    assert main(["bench", "--arms", "spec,tree"]) == 2
+    assert "give vanilla and at least one of spec, tree, spec+tree" in capsys.readouterr().err
