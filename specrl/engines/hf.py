@@ -164,6 +164,9 @@ class HFEngine:
         controller chooses. None for a row whose first token is drawn from a residual."""
         if drafting is None:
             return [[] for _ in range(len(rows))]
+        if not drafting.width.worthwhile(len(rows)):
+            drafting.width.choose([])
+            return [[] for _ in range(len(rows))]
         drafts = []
         for row, room, reject in zip(rows.tolist(), left.tolist(), rejected, strict=True):
             draft = []

@@ -62,19 +62,28 @@ class DraftWidth:
         return max(c0, 0.0), max(c1, 1e-12)
 
     def choose(self, lengths: Sequence[int]) -> int:
-        longest = min(max(lengths, default=0), self.max_tokens)
-        k = longest
-        cost = self.cost() if self.adaptive and longest > 0 else None
-        if cost is not None:
-            c0, c1 = cost
-            alpha = min(self.acceptance, 0.999)
-            caps = np.minimum(np.asarray(lengths), longest)[None, :]
-            widths = np.arange(longest + 1)[:, None]
-            expected = (1 - alpha ** (np.minimum(caps, widths) + 1)) / (1 - alpha)  # [K+1, B]
-            seconds = c0 + c1 * len(lengths) * (widths[:, 0] + 1)
-            k = int(np.argmax(expected.sum(1) / seconds))
+        """K for a forward whose sequences were proposed `lengths` draft tokens."""
+        k = self._best(lengths)
         self.choices[k] += 1
         return k
+
+    def worthwhile(self, batch_size: int) -> bool:
+        """Whether any K > 0 could pay off for this batch size, were every sequence proposed
+        `max_tokens` drafts: when not, the engine skips asking for proposals."""
+        return self._best([self.max_tokens] * batch_size) > 0
+
+    def _best(self, lengths: Sequence[int]) -> int:
+        longest = min(max(lengths, default=0), self.max_tokens)
+        cost = self.cost() if self.adaptive and longest > 0 else None
+        if cost is None:
+            return longest
+        c0, c1 = cost
+        alpha = min(self.acceptance, 0.999)
+        caps = np.minimum(np.asarray(lengths), longest)[None, :]
+        widths = np.arange(longest + 1)[:, None]
+        expected = (1 - alpha ** (np.minimum(caps, widths) + 1)) / (1 - alpha)  # [K+1, B]
+        seconds = c0 + c1 * len(lengths) * (widths[:, 0] + 1)
+        return int(np.argmax(expected.sum(1) / seconds))
 
     def observe_forward(self, tokens: int, seconds: float) -> None:
         self._fit = self.decay * self._fit + np.array(
