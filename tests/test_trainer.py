@@ -99,9 +99,13 @@ def test_ppo_update_moves_the_policy_toward_higher_advantage(tiny_policy_dir, tm
     assert scores[-1] > scores[0]
 
 
-@pytest.mark.parametrize("spec", [False, True], ids=["vanilla", "spec"])
+@pytest.mark.parametrize(
+    ("spec", "tree"),
+    [(False, False), (True, False), (False, True)],
+    ids=["vanilla", "spec", "tree"],
+)
 def test_rollout_logprobs_handed_to_the_trainer_equal_recomputed_old_logprobs(
-    tiny_policy_dir, tmp_path, spec
+    tiny_policy_dir, tmp_path, spec, tree
 ):
     from specrl.trainer import TrainBatch
 
@@ -111,6 +115,8 @@ def test_rollout_logprobs_handed_to_the_trainer_equal_recomputed_old_logprobs(
         "data.train_size=4",
         f"rollout.spec.enabled={spec}",
         "rollout.spec.log_lenience=.inf",
+        f"rollout.spec.tree.enabled={tree}",
+        "rollout.spec.tree.adaptive=false",
     )
     trainer = Trainer(cfg)
     assert trainer.rollout_logprobs_are_old_logprobs
@@ -124,6 +130,8 @@ def test_rollout_logprobs_handed_to_the_trainer_equal_recomputed_old_logprobs(
         handed = batch.pad_responses([r.logprobs for r in rollouts])
         assert torch.allclose(handed, recomputed, atol=1e-4)
     assert metrics["spec/reused_token_ratio"] == (1.0 if spec else 0.0)
+    if tree:  # some of the handed logprobs come from multi-token verification forwards
+        assert metrics["spec/tree/accepted_tokens"] > 0
 
 
 def test_speculative_training_reuses_drafts_from_the_second_epoch(tiny_policy_dir, tmp_path):
