@@ -37,17 +37,27 @@ class DraftWidth:
     `adaptive=False` always takes every proposed token up to `max_tokens`.
     """
 
-    def __init__(self, max_tokens: int, adaptive: bool = True, decay: float = 0.98) -> None:
+    def __init__(
+        self,
+        max_tokens: int,
+        adaptive: bool = True,
+        cost_decay: float = 0.98,
+        acceptance_decay: float = 0.8,
+    ) -> None:
         self.max_tokens = max_tokens
         self.adaptive = adaptive
-        self.decay = decay
+        self.cost_decay = cost_decay  # the cost of a forward drifts slowly
+        self.acceptance_decay = acceptance_decay  # acceptance moves fast (a new round of trees)
         self._fit = np.zeros(5)  # weighted sums of 1, n, t, n², n·t over forwards
-        self._trials, self._accepted = 2.0, 1.0  # prior α = 0.5
+        self._trials, self._accepted = (
+            0.0,
+            0.0,
+        )  # decayed evidence; α = (accepted + 1) / (trials + 2)
         self.choices: Counter[int] = Counter()  # K chosen per forward, since the last reset
 
     @property
     def acceptance(self) -> float:
-        return self._accepted / self._trials
+        return (self._accepted + 1) / (self._trials + 2)
 
     def cost(self) -> tuple[float, float] | None:
         """(c0, c1), or None until the forwards seen differ enough in size to separate them."""
@@ -74,9 +84,11 @@ class DraftWidth:
 
     def _best(self, lengths: Sequence[int]) -> int:
         longest = min(max(lengths, default=0), self.max_tokens)
-        cost = self.cost() if self.adaptive and longest > 0 else None
-        if cost is None:
+        if not self.adaptive or longest == 0:
             return longest
+        cost = self.cost()
+        if cost is None:  # not measured yet: decode plainly (the forwards it sees fit the model)
+            return 0
         c0, c1 = cost
         alpha = min(self.acceptance, 0.999)
         caps = np.minimum(np.asarray(lengths), longest)[None, :]
@@ -86,17 +98,19 @@ class DraftWidth:
         return int(np.argmax(expected.sum(1) / seconds))
 
     def observe_forward(self, tokens: int, seconds: float) -> None:
-        self._fit = self.decay * self._fit + np.array(
+        self._fit = self.cost_decay * self._fit + np.array(
             [1.0, tokens, seconds, tokens * tokens, tokens * seconds]
         )
 
     def observe_drafts(self, proposed: Sequence[int], accepted: Sequence[int]) -> None:
-        """Per sequence: draft tokens verified and how many of them were accepted. Each accepted
-        token is a success; the first rejected one (if any) a failure."""
+        """Per sequence of one forward: draft tokens verified and how many of them were accepted.
+        Each accepted token is a success, the first rejected one (if any) a failure. Evidence
+        decays every forward, with or without drafts, so after a stretch without speculation α
+        drifts back to the prior 1/2 and drafts get tried again (acceptance changes abruptly,
+        e.g. when prompts with older trees come up)."""
         trials = sum(a + (a < p) for p, a in zip(proposed, accepted, strict=True) if p > 0)
-        if trials:
-            self._trials = self.decay * self._trials + trials
-            self._accepted = self.decay * self._accepted + sum(accepted)
+        self._trials = self.acceptance_decay * self._trials + trials
+        self._accepted = self.acceptance_decay * self._accepted + sum(accepted)
 
     def state_dict(self) -> dict[str, Any]:
         return {"fit": self._fit.copy(), "trials": self._trials, "accepted": self._accepted}
