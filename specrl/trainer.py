@@ -28,11 +28,12 @@ from specrl.algorithms.losses import (
     entropy_from_logits,
     kl_penalty,
     ppo_clip_loss,
+    rollout_is_weights,
 )
 from specrl.checkpoint import load_trainer_state, resolve_resume, restore, save_checkpoint
 from specrl.config import Config, save_config
 from specrl.data import PromptLoader, load_prompts, prompt_text
-from specrl.engines import GREEDY, SamplingParams
+from specrl.engines import GREEDY, RolloutEngine, SamplingParams
 from specrl.engines.hf import HFEngine
 from specrl.errors import UserError
 from specrl.rewards import RewardOutputs, load_reward_function
@@ -152,6 +153,20 @@ def timed(metrics: dict[str, float], name: str):
     metrics[f"timing_s/{name}"] = metrics.get(f"timing_s/{name}", 0.0) + time.perf_counter() - start
 
 
+def _mismatch_metrics(
+    old_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor, mask: torch.Tensor
+) -> dict[str, float]:
+    """How far the rollout engine's logprobs are from the trainer's (0 when they are the same
+    numbers, as with the transformers engine over the trainer's own model)."""
+    diff = (old_logprobs - rollout_logprobs).abs()[mask.bool()]
+    if diff.numel() == 0:
+        return {}
+    return {
+        "rollout_corr/logprob_abs_diff_mean": float(diff.mean()),
+        "rollout_corr/logprob_abs_diff_max": float(diff.max()),
+    }
+
+
 def seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed)
@@ -181,11 +196,7 @@ class Trainer:
         self.reference = self._reference_policy() if cfg.actor.use_kl_loss else None
         eos = self.policy.generation_config.eos_token_id
         eos_ids = [eos] if isinstance(eos, int) else list(eos or [self.tokenizer.eos_token_id])
-        # The engine wraps the trainer's own model object: weights are shared, so the sync after
-        # each update copies nothing (it only drops the engine's prefix cache).
-        self.engine = HFEngine(
-            self.policy, eos_ids, self.tokenizer.pad_token_id, cfg.rollout.max_batch_size
-        )
+        self.engine = self._engine(eos_ids)
         train, self.val_prompts = load_prompts(
             cfg.data, self.tokenizer, cfg.trainer.seed, log=self.tracker.print
         )
@@ -207,7 +218,8 @@ class Trainer:
         # Rollout logprobs are the trainer's own old log-probs when the engine runs the trainer's
         # model and samples from softmax(logits / T) untruncated: no recomputation needed.
         self.rollout_logprobs_are_old_logprobs = (
-            self.engine.model is self.policy
+            isinstance(self.engine, HFEngine)
+            and self.engine.model is self.policy
             and cfg.rollout.temperature > 0
             and cfg.rollout.top_p == 1
             and cfg.rollout.top_k == 0
@@ -228,6 +240,28 @@ class Trainer:
         self.total_steps = min(steps, cfg.trainer.total_training_steps or steps)
         if state is not None:
             restore(self, state)
+
+    def _engine(self, eos_ids: list[int]) -> RolloutEngine:
+        cfg = self.cfg
+        if cfg.rollout.name == "hf":
+            # The engine wraps the trainer's own model object: weights are shared, so the sync
+            # after each update copies nothing (it only drops the engine's prefix cache).
+            return HFEngine(
+                self.policy, eos_ids, self.tokenizer.pad_token_id, cfg.rollout.max_batch_size
+            )
+        from specrl.engines.vllm import VLLMEngine
+
+        engine = VLLMEngine(
+            self.resume_from or cfg.model.path or ensure_toy_policy(log=self.tracker.print),
+            eos_ids,
+            dtype=cfg.model.dtype,
+            max_model_len=cfg.data.max_prompt_length + cfg.data.max_response_length,
+            gpu_memory_utilization=cfg.rollout.gpu_memory_utilization,
+            sleep_mode=cfg.rollout.enable_sleep_mode,
+            seed=cfg.trainer.seed,
+        )
+        engine.load_weights(self.policy.state_dict())
+        return engine
 
     def _reference_policy(self) -> PreTrainedModel:
         """The frozen KL reference: the initial policy, also when resuming from a checkpoint."""
@@ -305,11 +339,26 @@ class Trainer:
         step_start = time.perf_counter()
         rollouts, scores = self.collect_rollouts(metrics)
         batch = TrainBatch.collate(rollouts, self.tokenizer.pad_token_id)
+        rollout_logprobs = batch.pad_responses([r.logprobs for r in rollouts])
         with timed(metrics, "old_log_prob"), torch.no_grad():
             if self.rollout_logprobs_are_old_logprobs:
-                old_logprobs = batch.pad_responses([r.logprobs for r in rollouts])
+                old_logprobs = rollout_logprobs
             else:
                 old_logprobs = self._logprobs(self.policy, batch)
+        metrics.update(_mismatch_metrics(old_logprobs, rollout_logprobs, batch.response_mask))
+        is_weights = None
+        correction = cfg.algorithm.rollout_correction
+        if correction.rollout_is is not None:
+            is_weights = rollout_is_weights(
+                old_logprobs,
+                rollout_logprobs,
+                batch.response_mask.float(),
+                correction.rollout_is,
+                correction.rollout_is_threshold,
+            )
+            metrics["rollout_corr/rollout_is_mean"] = float(
+                is_weights.sum() / batch.response_mask.sum().clamp(min=1)
+            )
         ref_logprobs = None
         if self.reference is not None:
             with timed(metrics, "ref"), torch.no_grad():
@@ -320,9 +369,15 @@ class Trainer:
                 cfg.algorithm.adv_estimator,
                 cfg.algorithm.norm_adv_by_std_in_grpo,
             ).flatten()  # [N]
+        if cfg.rollout.enable_sleep_mode:  # the trainer gets the GPU memory during the update
+            self.engine.sleep()
         with timed(metrics, "update_actor"):
-            metrics.update(self.update_policy(batch, old_logprobs, ref_logprobs, advantages))
-        with timed(metrics, "sync"):  # shared weights: copies nothing, drops the prefix cache
+            metrics.update(
+                self.update_policy(batch, old_logprobs, ref_logprobs, advantages, is_weights)
+            )
+        if cfg.rollout.enable_sleep_mode:
+            self.engine.wake_up()
+        with timed(metrics, "sync"):  # hf: shared weights, copies nothing, drops the prefix cache
             self.engine.load_weights(self.policy.state_dict())
         metrics["timing_s/step"] = time.perf_counter() - step_start
         metrics.update(self._data_metrics(rollouts, scores, advantages, metrics["timing_s/step"]))
@@ -409,6 +464,7 @@ class Trainer:
         old_logprobs: torch.Tensor,
         ref_logprobs: torch.Tensor | None,
         advantages: torch.Tensor,
+        is_weights: torch.Tensor | None = None,
     ) -> dict[str, float]:
         """ppo_epochs passes; each splits the rollouts into mini-batches (one optimizer step each)
         and those into micro-batches (gradient accumulation)."""
@@ -440,7 +496,14 @@ class Trainer:
                     )
                     mask = part.response_mask.float()
                     adv = advantages[micro][:, None].expand_as(logprobs)
-                    out = ppo_clip_loss(logprobs, old_logprobs[micro], adv, mask, clip)
+                    out = ppo_clip_loss(
+                        logprobs,
+                        old_logprobs[micro],
+                        adv,
+                        mask,
+                        clip,
+                        None if is_weights is None else is_weights[micro],
+                    )
                     entropy_mean = agg_loss(entropy, mask, actor.loss_agg_mode, clip.horizon)
                     loss = out.loss - actor.entropy_coeff * entropy_mean
                     if ref_logprobs is not None:

