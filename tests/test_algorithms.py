@@ -10,6 +10,7 @@ from specrl.algorithms.losses import (
     entropy_from_logits,
     kl_penalty,
     ppo_clip_loss,
+    rollout_is_weights,
 )
 
 
@@ -108,3 +109,27 @@ def test_dynamic_sampling_drops_groups_with_equal_scores():
 
     scores = torch.tensor([[1.0, 1.0, 1.0], [0.0, 0.0, 0.0], [0.0, 1.0, 0.0]])
     assert groups_with_signal(scores).tolist() == [False, False, True]
+
+
+def test_rollout_importance_weights_are_truncated_per_token_or_per_sequence():
+    old = torch.tensor([[-1.0, -2.0, -0.5], [-1.0, -1.0, 0.0]])
+    rollout = torch.tensor([[-1.5, -1.0, -0.5], [-1.0, -2.0, 0.0]])
+    mask = torch.tensor([[1.0, 1.0, 1.0], [1.0, 1.0, 0.0]])
+    token = rollout_is_weights(old, rollout, mask, "token", threshold=2.0)
+    expected = torch.tensor([[math.exp(0.5), math.exp(-1.0), 1.0], [1.0, 2.0, 0.0]])
+    torch.testing.assert_close(token, expected)  # e^1 = 2.72 truncated to 2; padding gets 0
+    sequence = rollout_is_weights(old, rollout, mask, "sequence", threshold=2.0)
+    # row 0: exp(0.5 - 1 + 0) = e^-0.5 on every token; row 1: exp(1) truncated to 2
+    torch.testing.assert_close(sequence, torch.tensor([[math.exp(-0.5)] * 3, [2.0, 2.0, 0.0]]))
+
+
+def test_importance_weights_scale_each_token_loss():
+    logprobs = torch.tensor([[-1.0, -1.0]])
+    adv = torch.ones(1, 2)
+    mask = torch.ones(1, 2)
+    cfg = ClipConfig(0.2, 0.2, 3.0, "token-mean", 2)
+    plain = ppo_clip_loss(logprobs, logprobs, adv, mask, cfg).loss
+    weighted = ppo_clip_loss(logprobs, logprobs, adv, mask, cfg, torch.tensor([[2.0, 0.0]])).loss
+    assert plain.item() == pytest.approx(-1.0) and weighted.item() == pytest.approx(-1.0)
+    weighted = ppo_clip_loss(logprobs, logprobs, adv, mask, cfg, torch.tensor([[2.0, 1.0]])).loss
+    assert weighted.item() == pytest.approx(-1.5)

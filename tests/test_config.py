@@ -23,6 +23,8 @@ from specrl.config import ConfigError, load_config
         (["data.train_batch_size=0"], "invalid value for data.train_batch_size: 0"),
         (["actor.loss_agg_mode=seq-mean"], "invalid value for actor.loss_agg_mode: 'seq-mean'"),
         (["actor.ppo_mini_batch_size=64"], "must not exceed data.train_batch_size"),
+        (["rollout.enable_sleep_mode=true"], "rollout.enable_sleep_mode needs rollout.name=vllm"),
+        (["rollout.name=sglang"], "invalid value for rollout.name: 'sglang'"),
         (["rollout.n"], "not of the form key=value"),
     ],
 )
