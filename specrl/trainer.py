@@ -251,8 +251,8 @@ class Trainer:
             )
         from specrl.engines.vllm import VLLMEngine
 
-        engine = VLLMEngine(
-            self.resume_from or cfg.model.path or ensure_toy_policy(log=self.tracker.print),
+        engine = VLLMEngine.shared(
+            str(self.resume_from or cfg.model.path or ensure_toy_policy(log=self.tracker.print)),
             eos_ids,
             dtype=cfg.model.dtype,
             max_model_len=cfg.data.max_prompt_length + cfg.data.max_response_length,

