@@ -67,6 +67,21 @@ class ScoreRequest:
     sampling: SamplingParams = field(default_factory=SamplingParams)
 
 
+def distinct_requests(requests: Sequence[ScoreRequest]) -> tuple[list[ScoreRequest], list[int]]:
+    """Identical score requests (the n slots of a prompt often hold the same draft), computed
+    once: → (the distinct requests, the index into them of every request)."""
+    index: dict[tuple, int] = {}
+    distinct: list[ScoreRequest] = []
+    where = []
+    for r in requests:
+        key = (tuple(r.context_ids), tuple(r.target_ids), r.sampling)
+        if key not in index:
+            index[key] = len(distinct)
+            distinct.append(r)
+        where.append(index[key])
+    return distinct, where
+
+
 class RolloutEngine(Protocol):
     eos_token_ids: frozenset[int]
 

@@ -15,7 +15,14 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, DynamicCache, PreTrainedModel
 
-from specrl.engines.base import FinishReason, GenRequest, GenResult, SamplingParams, ScoreRequest
+from specrl.engines.base import (
+    FinishReason,
+    GenRequest,
+    GenResult,
+    SamplingParams,
+    ScoreRequest,
+    distinct_requests,
+)
 from specrl.engines.sampling import sample_from_logprobs, sampling_logprobs, seeded_uniform
 from specrl.engines.speculation import Drafting
 
@@ -243,20 +250,12 @@ class HFEngine:
     def score(self, requests: Sequence[ScoreRequest]) -> list[torch.Tensor]:
         """One forward pass per batch of up to `max_batch_size` distinct sequences. Identical
         requests (the n slots of a prompt often hold the same draft) are computed once."""
-        index: dict[tuple, int] = {}
-        distinct: list[ScoreRequest] = []
-        for r in requests:
-            key = (tuple(r.context_ids), tuple(r.target_ids), r.sampling)
-            if key not in index:
-                index[key] = len(distinct)
-                distinct.append(r)
+        distinct, where = distinct_requests(requests)
         self._prefix_cache = PrefixCache()
         scored: list[torch.Tensor] = []
         for start in range(0, len(distinct), self.max_batch_size):
             scored.extend(self._score_batch(distinct[start : start + self.max_batch_size]))
-        return [
-            scored[index[(tuple(r.context_ids), tuple(r.target_ids), r.sampling)]] for r in requests
-        ]
+        return [scored[i] for i in where]
 
     def _score_batch(self, requests: Sequence[ScoreRequest]) -> list[torch.Tensor]:
         sequences = [list(r.context_ids) + list(r.target_ids) for r in requests]

@@ -30,7 +30,13 @@ from typing import Any, ClassVar
 
 import torch
 
-from specrl.engines.base import GenRequest, GenResult, SamplingParams, ScoreRequest
+from specrl.engines.base import (
+    GenRequest,
+    GenResult,
+    SamplingParams,
+    ScoreRequest,
+    distinct_requests,
+)
 from specrl.engines.sampling import sampling_logprobs
 from specrl.engines.speculation import Drafting
 from specrl.errors import UserError
@@ -230,6 +236,12 @@ class VLLMEngine:
 
     # ---------------------------------------------------------------- score
     def score(self, requests: Sequence[ScoreRequest]) -> list[torch.Tensor]:
+        """Prompt logprobs of each distinct request (identical ones are scored once)."""
+        distinct, where = distinct_requests(requests)
+        scored = self._score_distinct(distinct)
+        return [scored[i] for i in where]
+
+    def _score_distinct(self, requests: Sequence[ScoreRequest]) -> list[torch.Tensor]:
         if not requests:
             return []
         plain = [_untransformed(r.sampling) for r in requests]
