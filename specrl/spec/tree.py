@@ -215,21 +215,22 @@ class TokenTree:
     def get(self, prompt_id: str) -> PromptTree | None:
         return self._trees.get(prompt_id)
 
+    def _tree(self, prompt_id: str) -> PromptTree:
+        if prompt_id not in self._trees:
+            self._trees[prompt_id] = PromptTree()
+        return self._trees[prompt_id]
+
     def begin(self, prompt_id: str) -> int:
         """The prompt is rolled out in this step: drop responses outside the window, mark it
         recently used. → nodes freed."""
-        tree = self._trees.get(prompt_id)
-        if tree is None:
-            tree = self._trees[prompt_id] = PromptTree()
+        tree = self._tree(prompt_id)
         self._trees.move_to_end(prompt_id)
         freed = tree.next_round(self.window)
         self.nodes -= freed
         return freed
 
     def insert(self, prompt_id: str, tokens: Sequence[int]) -> None:
-        tree = self._trees.get(prompt_id)
-        if tree is None:
-            tree = self._trees[prompt_id] = PromptTree()
+        tree = self._tree(prompt_id)
         before = tree.nodes
         tree.insert(tokens)
         self.nodes += tree.nodes - before

@@ -113,6 +113,29 @@ def response_probabilities(engine, prompt, vocab, max_len):
     return {seq: float(s.double().sum().exp()) for seq, s in zip(responses, scores, strict=True)}
 
 
+def distribution_pvalue(engine, prompt, rollouts, vocab, max_len):
+    """Chi-square p-value of the complete responses in `rollouts` against `engine`'s exact
+    response distribution; rare responses share one bin so every expected count is ≥ 5."""
+    n = len(rollouts)
+    probs = response_probabilities(engine, prompt.ids, vocab, max_len)
+    assert sum(probs.values()) == pytest.approx(1.0, abs=1e-4)
+    counts = dict.fromkeys(probs, 0)
+    for r in rollouts:
+        counts[tuple(r.token_ids)] += 1
+    common = [seq for seq, p in probs.items() if p * n >= 5]
+    observed = [counts[s] for s in common] + [n - sum(counts[s] for s in common)]
+    expected = [probs[s] * n for s in common] + [n - sum(probs[s] * n for s in common)]
+    return chisquare(observed, expected, sum_check=False).pvalue
+
+
+def target_and_drafter(vocab, batch):
+    """The current policy and another one whose samples serve as adversarial drafts."""
+    return tuple(
+        HFEngine(make_tiny_model(seed=s, vocab_size=vocab, init=0.5), [EOS], PAD, batch)
+        for s in (5, 9)
+    )
+
+
 @pytest.mark.parametrize(("acceptance", "exact"), [("exact", True), ("specrl", False)])
 def test_exact_rule_matches_the_target_distribution_with_adversarial_drafts(acceptance, exact):
     """20k slots: drafts are sampled from another policy; speculative rollouts under the exact rule
@@ -120,12 +143,7 @@ def test_exact_rule_matches_the_target_distribution_with_adversarial_drafts(acce
     specrl rule is not exact, and the same test must detect it (the test has power)."""
     vocab, max_len, n = 5, 3, 20_000
     prompt = Prompt((2, 3), Example("p", "", "test"))
-    target = HFEngine(
-        make_tiny_model(seed=5, vocab_size=vocab, init=0.5), [EOS], PAD, max_batch_size=n
-    )
-    drafter = HFEngine(
-        make_tiny_model(seed=9, vocab_size=vocab, init=0.5), [EOS], PAD, max_batch_size=n
-    )
+    target, drafter = target_and_drafter(vocab, n)
     store = RolloutStore()
     for r in generate_rollouts(drafter, [prompt], n, SAMPLING, max_len, ("draft",), 0):
         store.put(prompt.prompt_id, r.slot, r.token_ids, r.logprobs, r.finish_reason, 0)
@@ -142,16 +160,7 @@ def test_exact_rule_matches_the_target_distribution_with_adversarial_drafts(acce
         0 < metrics["spec/reused_tokens"] < sum(len(r.token_ids) for r in rollouts)
     )  # drafts partly kept
 
-    probs = response_probabilities(target, prompt.ids, vocab, max_len)
-    assert sum(probs.values()) == pytest.approx(1.0, abs=1e-4)
-    counts = dict.fromkeys(probs, 0)
-    for r in rollouts:
-        counts[tuple(r.token_ids)] += 1
-    # merge rare responses into one bin so every expected count is ≥ 5
-    common = [seq for seq, p in probs.items() if p * n >= 5]
-    observed = [counts[s] for s in common] + [n - sum(counts[s] for s in common)]
-    expected = [probs[s] * n for s in common] + [n - sum(probs[s] * n for s in common)]
-    pvalue = chisquare(observed, expected, sum_check=False).pvalue
+    pvalue = distribution_pvalue(target, prompt, rollouts, vocab, max_len)
     if exact:
         assert pvalue > 1e-3
     else:

@@ -1,7 +1,6 @@
 import random
 
 import pytest
-from scipy.stats import chisquare
 
 from specrl.config import SpecConfig, TreeConfig
 from specrl.engines import SamplingParams
@@ -11,7 +10,7 @@ from specrl.spec.store import RolloutStore
 from specrl.spec.tree import Cursor, PromptTree, TokenTree
 from specrl.types import Example, Prompt
 from tests.conftest import EOS, PAD, make_tiny_model
-from tests.spec.test_rollout import response_probabilities
+from tests.spec.test_rollout import distribution_pvalue, target_and_drafter
 
 
 class Reference:
@@ -217,12 +216,7 @@ def test_exact_with_adversarial_tree_drafts_matches_the_target_distribution():
     are distributed as the current policy's own samples (chi-square, p > 1e-3)."""
     vocab, max_len, n = 5, 3, 20_000
     prompt = Prompt((2, 3), Example("p", "", "test"))
-    target = HFEngine(
-        make_tiny_model(seed=5, vocab_size=vocab, init=0.5), [EOS], PAD, max_batch_size=n
-    )
-    drafter = HFEngine(
-        make_tiny_model(seed=9, vocab_size=vocab, init=0.5), [EOS], PAD, max_batch_size=n
-    )
+    target, drafter = target_and_drafter(vocab, n)
     stage = RolloutStage(
         target,
         SAMPLING,
@@ -237,11 +231,4 @@ def test_exact_with_adversarial_tree_drafts_matches_the_target_distribution():
     rollouts = stage([prompt], n, ("spec",), 1, metrics)
     assert 0 < metrics["spec/tree/accepted_tokens"] < metrics["spec/tree/draft_tokens"]
 
-    probs = response_probabilities(target, prompt.ids, vocab, max_len)
-    counts = dict.fromkeys(probs, 0)
-    for r in rollouts:
-        counts[tuple(r.token_ids)] += 1
-    common = [seq for seq, p in probs.items() if p * n >= 5]
-    observed = [counts[s] for s in common] + [n - sum(counts[s] for s in common)]
-    expected = [probs[s] * n for s in common] + [n - sum(probs[s] * n for s in common)]
-    assert chisquare(observed, expected, sum_check=False).pvalue > 1e-3
+    assert distribution_pvalue(target, prompt, rollouts, vocab, max_len) > 1e-3
