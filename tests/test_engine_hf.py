@@ -4,7 +4,7 @@ from scipy.stats import chisquare
 
 from specrl.engines import GREEDY, GenRequest, SamplingParams, ScoreRequest
 from specrl.engines.hf import HFEngine
-from specrl.engines.sampling import sampling_logprobs, seeded_uniform
+from specrl.engines.sampling import RowSampling, sampling_logprobs, seeded_uniform
 from tests.conftest import EOS, PAD, make_tiny_model
 
 PROMPTS = [[3, 4, 5], [6, 7], [2, 3, 4, 5, 6, 7], [8]]
@@ -102,7 +102,7 @@ def test_sampled_frequencies_match_the_sampling_distribution(sampling):
     counts = torch.bincount(torch.tensor([r.token_ids[0] for r in results]), minlength=8).double()
     with torch.no_grad():
         logits = model(input_ids=torch.tensor([prompt])).logits[0, -1]
-    probs = sampling_logprobs(logits[None], [sampling])[0].double().exp()
+    probs = sampling_logprobs(logits[None], RowSampling.of([sampling], "cpu"))[0].double().exp()
     support = probs > 0
     assert counts[~support].sum() == 0, "sampled a token outside the top-k / top-p support"
     expected = probs[support] / probs[support].sum() * n
@@ -123,10 +123,12 @@ def test_seeded_uniform_is_uniform_and_decorrelated():
 
 def test_top_p_keeps_the_smallest_set_reaching_p():
     logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
-    probs = sampling_logprobs(logits, [SamplingParams(1.0, top_p=0.75)]).exp()
+    probs = sampling_logprobs(
+        logits, RowSampling.of([SamplingParams(1.0, top_p=0.75)], "cpu")
+    ).exp()
     # 0.5 alone < 0.75, 0.5 + 0.3 ≥ 0.75: keep two tokens, renormalised
     torch.testing.assert_close(probs, torch.tensor([[0.625, 0.375, 0.0, 0.0]]))
-    probs = sampling_logprobs(logits, [SamplingParams(1.0, top_k=3)]).exp()
+    probs = sampling_logprobs(logits, RowSampling.of([SamplingParams(1.0, top_k=3)], "cpu")).exp()
     torch.testing.assert_close(probs, torch.tensor([[0.5, 0.3, 0.15, 0.0]]) / 0.95)
 
 

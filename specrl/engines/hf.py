@@ -19,11 +19,15 @@ from specrl.engines.base import (
     FinishReason,
     GenRequest,
     GenResult,
-    SamplingParams,
     ScoreRequest,
     distinct_requests,
 )
-from specrl.engines.sampling import sample_from_logprobs, sampling_logprobs, seeded_uniform
+from specrl.engines.sampling import (
+    RowSampling,
+    sample_from_logprobs,
+    sampling_logprobs,
+    seeded_uniform,
+)
 from specrl.engines.speculation import Drafting
 
 
@@ -58,7 +62,7 @@ class HFEngine:
     def device(self) -> torch.device:
         return next(self.model.parameters()).device
 
-    @torch.no_grad()
+    @torch.inference_mode()
     def generate(
         self, requests: Sequence[GenRequest], drafting: Drafting | None = None
     ) -> list[GenResult]:
@@ -95,7 +99,7 @@ class HFEngine:
         seeds = torch.tensor([requests[i].seed for i in live], device=self.device)
         left = torch.tensor([requests[i].max_new_tokens for i in live], device=self.device)
         eos = torch.tensor(sorted(self.eos_token_ids), device=self.device)
-        params = [requests[i].sampling for i in live]
+        sampling = RowSampling.of([requests[i].sampling for i in live], self.device)
         rejected = [requests[i].reject_token for i in live]  # applies to each first new token
         while True:
             started = time.perf_counter()
@@ -110,7 +114,7 @@ class HFEngine:
             cols = torch.arange(width + 1, device=self.device)
             attention = torch.cat([attention, (cols[None] <= proposed[:, None]).long()], dim=1)
             logits = self._forward(fed, attention, positions[:, None] + cols, cache)  # [B, K+1, V]
-            sampled, logprobs = self._sample(logits, params, seeds, positions, rejected)
+            sampled, logprobs = self._sample(logits, sampling, seeds, positions, rejected)
             accepted = _accepted(sampled, fed, proposed)  # [B] draft tokens kept
             emitted = (accepted + 1).minimum(left)  # drafts never exceed left - 1; a guard
             is_eos = torch.isin(sampled, eos) & (cols[None] < emitted[:, None])
@@ -154,7 +158,7 @@ class HFEngine:
                 rows, tokens, positions, seeds, left, attention = (
                     t[keep] for t in (rows, tokens, positions, seeds, left, attention)
                 )
-                params = [params[i] for i in keep.tolist()]
+                sampling = sampling.select(keep)
             rejected = [None] * len(rows)
             if width and attention.shape[1] > 2 * int(attention.sum(1).max()) + 32:
                 attention = _compact(cache, attention)
@@ -189,7 +193,7 @@ class HFEngine:
     def _sample(
         self,
         logits: torch.Tensor,
-        params: list[SamplingParams],
+        sampling: RowSampling,
         seeds: torch.Tensor,
         positions: torch.Tensor,
         rejected: list[int | None],
@@ -199,9 +203,8 @@ class HFEngine:
         token decoding without drafts would sample there. A rejected token (`reject_token` of the
         request) is removed from the first column's distribution; its logprob stays the full one."""
         batch, columns, vocab = logits.shape
-        logprobs = sampling_logprobs(
-            logits.reshape(-1, vocab), [p for p in params for _ in range(columns)]
-        ).view(batch, columns, vocab)
+        logprobs = sampling_logprobs(logits.reshape(-1, vocab), sampling.repeat(columns))
+        logprobs = logprobs.view(batch, columns, vocab)
         draw_from = logprobs
         if any(r is not None for r in rejected):
             draw_from = logprobs.clone()
@@ -247,7 +250,7 @@ class HFEngine:
             return DynamicCache(), width
         return _merge(parts)
 
-    @torch.no_grad()
+    @torch.inference_mode()
     def score(self, requests: Sequence[ScoreRequest]) -> list[torch.Tensor]:
         """One forward pass per batch of up to `max_batch_size` distinct sequences. Identical
         requests (the n slots of a prompt often hold the same draft) are computed once."""
@@ -268,8 +271,8 @@ class HFEngine:
         # Targets are right-aligned: the logits at column t predict the token at column t + 1.
         n = max(len(r.target_ids) for r in requests)
         predicting = logits[:, -n - 1 : -1]  # [B, n, V]
-        params = [r.sampling for r in requests for _ in range(n)]
-        logprobs = sampling_logprobs(predicting.reshape(-1, logits.shape[-1]), params)
+        sampling = RowSampling.of([r.sampling for r in requests], self.device).repeat(n)
+        logprobs = sampling_logprobs(predicting.reshape(-1, logits.shape[-1]), sampling)
         logprobs = logprobs.gather(1, ids[:, -n:].reshape(-1, 1)).view(len(requests), n)  # [B, n]
         return [
             row[n - len(r.target_ids) :].cpu() for row, r in zip(logprobs, requests, strict=True)

@@ -13,6 +13,7 @@ it should not (the caller chooses fresh seeds per step).
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -21,21 +22,55 @@ from specrl.engines.base import SamplingParams
 _MASK32 = 0xFFFFFFFF
 
 
-def sampling_logprobs(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
-    """logits [B, V], one SamplingParams per row → logprobs [B, V] (-inf outside the support)."""
+@dataclass(frozen=True)
+class RowSampling:
+    """The SamplingParams of each row of a batch as tensors [B], built once per batch rather
+    than once per decode step."""
+
+    temperature: torch.Tensor
+    top_k: torch.Tensor
+    top_p: torch.Tensor
+    truncates: bool  # some row keeps only its top-k or top-p tokens
+    greedy: bool  # some row is greedy
+
+    @classmethod
+    def of(cls, params: Sequence[SamplingParams], device: torch.device | str) -> RowSampling:
+        return cls(
+            temperature=torch.tensor([p.temperature for p in params], device=device),
+            top_k=torch.tensor([p.top_k for p in params], device=device),
+            top_p=torch.tensor([p.top_p for p in params], device=device),
+            truncates=any(p.top_k > 0 or p.top_p < 1 for p in params),
+            greedy=any(p.greedy for p in params),
+        )
+
+    def select(self, index: torch.Tensor) -> RowSampling:
+        """The rows `index` (a batch after some sequences left it)."""
+        tensors = (t[index] for t in (self.temperature, self.top_k, self.top_p))
+        return RowSampling(*tensors, self.truncates, self.greedy)
+
+    def repeat(self, times: int) -> RowSampling:
+        """Each row `times` times in a row (one per fed column of a decode forward)."""
+        if times == 1:
+            return self
+        tensors = (t.repeat_interleave(times) for t in (self.temperature, self.top_k, self.top_p))
+        return RowSampling(*tensors, self.truncates, self.greedy)
+
+
+def sampling_logprobs(logits: torch.Tensor, rows: RowSampling) -> torch.Tensor:
+    """logits [B, V] and the sampling params of each row → logprobs [B, V] (-inf outside the
+    support)."""
     logits = logits.float()
-    temperature = torch.tensor([p.temperature for p in params], device=logits.device)
-    greedy = temperature == 0
-    scaled = logits / torch.where(greedy, 1.0, temperature)[:, None]
-    top_k = torch.tensor([p.top_k for p in params], device=logits.device)
-    top_p = torch.tensor([p.top_p for p in params], device=logits.device)
-    if bool((top_k > 0).any() or (top_p < 1).any()):
-        scaled = _truncate(scaled, top_k, top_p)
+    temperature = rows.temperature
+    if rows.greedy:
+        temperature = torch.where(temperature == 0, 1.0, temperature)
+    scaled = logits / temperature[:, None]
+    if rows.truncates:
+        scaled = _truncate(scaled, rows.top_k, rows.top_p)
     logprobs = scaled.log_softmax(-1)  # [B, V]
-    if bool(greedy.any()):
+    if rows.greedy:
         point_mass = torch.full_like(logprobs, float("-inf"))
         point_mass.scatter_(1, logits.argmax(-1, keepdim=True), 0.0)
-        logprobs = torch.where(greedy[:, None], point_mass, logprobs)
+        logprobs = torch.where((rows.temperature == 0)[:, None], point_mass, logprobs)
     return logprobs
 
 

@@ -37,7 +37,7 @@ from specrl.engines.base import (
     ScoreRequest,
     distinct_requests,
 )
-from specrl.engines.sampling import sampling_logprobs
+from specrl.engines.sampling import RowSampling, sampling_logprobs
 from specrl.engines.speculation import Drafting
 from specrl.errors import UserError
 
@@ -267,7 +267,7 @@ class VLLMEngine:
             for row, pos in enumerate(positions):
                 ids = torch.tensor(list(pos.keys()))
                 raw[row, ids] = torch.tensor([v.logprob for v in pos.values()])
-            logprobs = sampling_logprobs(raw, [r.sampling] * n)
+            logprobs = sampling_logprobs(raw, RowSampling.of([r.sampling], raw.device).repeat(n))
             scored.append(logprobs.gather(1, torch.tensor(r.target_ids)[:, None]).squeeze(1))
         return scored
 
