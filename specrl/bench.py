@@ -1,7 +1,8 @@
 """`specrl bench`: vanilla and speculative training, same config, seed and data, one process.
 
 Arms: vanilla, spec (SPEC-RL prefix reuse), tree (token-tree drafts only) and spec+tree; the
-default is vanilla and spec, `--arms` picks others.
+default is vanilla and spec, `--arms` picks others. `--seeds 1,2,3` trains every arm once per
+seed: one run's final accuracy on a small held-out set moves by a few points from seed to seed.
 
 Writes DIR/bench.json and DIR/bench.png. Speeds are totals over the whole run, measured with
 wall clocks around the rollout stage (verification included) and around whole steps.
@@ -51,38 +52,67 @@ def parse_arms(text: str) -> tuple[str, ...]:
     return tuple(dict.fromkeys(arms))
 
 
+def parse_seeds(text: str | None) -> list[int] | None:
+    if text is None:
+        return None
+    try:
+        seeds = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        seeds = []
+    if not seeds or any(seed < 0 for seed in seeds):
+        raise UserError(f"--seeds {text!r}: give comma-separated non-negative integers, e.g. 1,2,3")
+    return list(dict.fromkeys(seeds))
+
+
 def run_bench(
-    cfg: Config, out_dir: Path, arms: Sequence[str] = DEFAULT_ARMS, log=print
+    cfg: Config,
+    out_dir: Path,
+    arms: Sequence[str] = DEFAULT_ARMS,
+    seeds: Sequence[int] | None = None,
+    log=print,
 ) -> dict[str, Any]:
-    histories: dict[str, list[dict[str, float]]] = {}
-    for arm in arms:
-        arm_cfg = cfg.model_copy(deep=True)
-        arm_cfg.rollout.spec.enabled, arm_cfg.rollout.spec.tree.enabled = ARMS[arm]
-        arm_cfg.trainer.output_dir = str(out_dir / arm)
-        arm_cfg.trainer.resume_mode = "disable"  # a benchmark always measures a fresh run
-        arm_cfg.trainer.experiment_name = f"{cfg.trainer.experiment_name}-{arm}"
-        log(f"bench: training the {arm} arm into {out_dir / arm}")
-        trainer = Trainer(arm_cfg)
-        trainer.fit()
-        histories[arm] = trainer.tracker.history
-    result = summarize(histories, cfg)
+    """Every arm once per seed (default: the config's `trainer.seed`); with several seeds each
+    seed's runs go to DIR/seed<N>/<arm> and bench.json pools them (see `summarize`)."""
+    seeds = list(seeds or [cfg.trainer.seed])
+    runs: dict[str, list[list[dict[str, float]]]] = {arm: [] for arm in arms}
+    plotted: dict[str, list[dict[str, float]]] = {}
+    for seed in seeds:
+        seed_dir = out_dir if len(seeds) == 1 else out_dir / f"seed{seed}"
+        for arm in arms:
+            arm_cfg = cfg.model_copy(deep=True)
+            arm_cfg.rollout.spec.enabled, arm_cfg.rollout.spec.tree.enabled = ARMS[arm]
+            arm_cfg.trainer.seed = seed
+            arm_cfg.trainer.output_dir = str(seed_dir / arm)
+            arm_cfg.trainer.resume_mode = "disable"  # a benchmark always measures a fresh run
+            arm_cfg.trainer.experiment_name = f"{cfg.trainer.experiment_name}-{arm}"
+            log(f"bench: training the {arm} arm (seed {seed}) into {seed_dir / arm}")
+            trainer = Trainer(arm_cfg)
+            trainer.fit()
+            runs[arm].append(trainer.tracker.history)
+            plotted[arm if len(seeds) == 1 else f"{arm} seed {seed}"] = trainer.tracker.history
+    result = summarize(runs, cfg, seeds)
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "bench.json").write_text(json.dumps(result, indent=2))
     panels = BENCH_PANELS + ([TREE_PANEL] if any(ARMS[a][1] for a in arms) else [])
-    plot_metrics(histories, panels, out_dir / "bench.png")
+    plot_metrics(plotted, panels, out_dir / "bench.png")
     return result
 
 
-def summarize(histories: dict[str, list[dict[str, float]]], cfg: Config) -> dict[str, Any]:
+def summarize(
+    runs: dict[str, list[list[dict[str, float]]]], cfg: Config, seeds: Sequence[int]
+) -> dict[str, Any]:
     """The SPEC-RL comparison (spec against vanilla) at the top level when the spec arm ran, and
-    every arm's speed and accuracy under `arms`."""
-    steps = {arm: _train_steps(h) for arm, h in histories.items()}
+    every arm's speed and accuracy under `arms`. `runs` holds each arm's history per seed: times
+    and token counts are totals over all seeds, final accuracies the mean over seeds (each
+    seed's under `arms.<arm>.final_acc_per_seed`)."""
+    steps = {arm: [m for h in hs for m in _train_steps(h)] for arm, hs in runs.items()}
+    final = {arm: [_last(h, "val/acc/mean@1") for h in hs] for arm, hs in runs.items()}
     rollout = {arm: _total(s, "timing_s/rollout") for arm, s in steps.items()}
     result: dict[str, Any] = {}
     if "spec" in steps:
         result.update(_spec_rl(steps["vanilla"], steps["spec"]))
-        result["final_acc_vanilla"] = _last(histories["vanilla"], "val/acc/mean@1")
-        result["final_acc_spec"] = _last(histories["spec"], "val/acc/mean@1")
+        result["final_acc_vanilla"] = _mean(final["vanilla"])
+        result["final_acc_spec"] = _mean(final["spec"])
     result["arms"] = {}
     for arm, arm_steps in steps.items():
         summary = {
@@ -91,7 +121,8 @@ def summarize(histories: dict[str, list[dict[str, float]]], cfg: Config) -> dict
             "rollout_speedup": rollout["vanilla"] / rollout[arm],
             "step_speedup": _total(steps["vanilla"], "timing_s/step")
             / _total(arm_steps, "timing_s/step"),
-            "final_acc": _last(histories[arm], "val/acc/mean@1"),
+            "final_acc": _mean(final[arm]),
+            "final_acc_per_seed": final[arm],
             "decoded_tokens": _total(arm_steps, "spec/decoded_tokens"),
             "reused_token_ratio": _reuse(arm_steps),
         }
@@ -111,7 +142,8 @@ def summarize(histories: dict[str, list[dict[str, float]]], cfg: Config) -> dict
             summary["tree_nodes_max"] = max(m.get("spec/tree/nodes", 0) for m in arm_steps)
         result["arms"][arm] = summary
     result.update(
-        steps=len(steps["vanilla"]),
+        steps=len(steps["vanilla"]) // len(seeds),
+        seeds=list(seeds),
         acceptance=cfg.rollout.spec.acceptance,
         log_lenience=cfg.rollout.spec.log_lenience,
         verify_mode=cfg.rollout.spec.verify_mode,
@@ -179,6 +211,10 @@ def _total(steps: list[dict[str, float]], key: str) -> float:
 
 def _reuse(steps: list[dict[str, float]]) -> float:
     return _total(steps, "spec/reused_tokens") / max(_total(steps, "spec/response_tokens"), 1)
+
+
+def _mean(values: Sequence[float | None]) -> float | None:
+    return None if None in values else sum(values) / len(values)  # type: ignore[arg-type]
 
 
 def _last(history: list[dict[str, float]], key: str) -> float | None:

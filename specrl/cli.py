@@ -31,6 +31,11 @@ def main(argv: list[str] | None = None) -> int:
         help="comma-separated arms among vanilla, spec, tree, spec+tree (default: vanilla,spec)",
     )
     bench.add_argument(
+        "--seeds",
+        help="comma-separated seeds: every arm trains once per seed and bench.json pools them "
+        "(default: trainer.seed)",
+    )
+    bench.add_argument(
         "overrides",
         nargs="*",
         metavar="key=value",
@@ -48,7 +53,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "train":
             return _train(args.config, args.overrides)
         if args.command == "bench":
-            return _bench(args.config, args.out, args.arms, args.overrides)
+            return _bench(args.config, args.out, args.arms, args.seeds, args.overrides)
         if args.command == "report":
             return _report(args.run_dir)
         return _toy_policy(args.force)
@@ -73,15 +78,17 @@ def _train(config_path: str | None, overrides: list[str]) -> int:
     return 0
 
 
-def _bench(config_path: str | None, out: str, arms: str, overrides: list[str]) -> int:
+def _bench(
+    config_path: str | None, out: str, arms: str, seeds: str | None, overrides: list[str]
+) -> int:
     import json
     from pathlib import Path
 
-    from specrl.bench import parse_arms, run_bench
+    from specrl.bench import parse_arms, parse_seeds, run_bench
     from specrl.config import load_config
 
-    arm_names = parse_arms(arms)
-    result = run_bench(load_config(config_path, overrides), Path(out), arm_names)
+    arm_names, seed_list = parse_arms(arms), parse_seeds(seeds)
+    result = run_bench(load_config(config_path, overrides), Path(out), arm_names, seed_list)
     print(json.dumps(result, indent=2))
     return 0
 

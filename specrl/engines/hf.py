@@ -96,8 +96,11 @@ class HFEngine:
         tokens = torch.tensor([c[-1] for c in contexts], device=self.device)  # [B] fed next
         positions = torch.tensor([len(c) - 1 for c in contexts], device=self.device)  # theirs
         rows = torch.tensor(live, device=self.device)  # request index of each batch row
-        seeds = torch.tensor([requests[i].seed for i in live], device=self.device)
         left = torch.tensor([requests[i].max_new_tokens for i in live], device=self.device)
+        # The uniform behind each new token, a hash of (seed, position): [B, most new tokens]
+        seeds = torch.tensor([requests[i].seed for i in live], device=self.device)
+        uniforms = _uniform_table(seeds, positions + 1, int(left.max()))
+        done = torch.zeros_like(left)  # new tokens so far
         eos = torch.tensor(sorted(self.eos_token_ids), device=self.device)
         sampling = RowSampling.of([requests[i].sampling for i in live], self.device)
         rejected = [requests[i].reject_token for i in live]  # applies to each first new token
@@ -114,13 +117,16 @@ class HFEngine:
             cols = torch.arange(width + 1, device=self.device)
             attention = torch.cat([attention, (cols[None] <= proposed[:, None]).long()], dim=1)
             logits = self._forward(fed, attention, positions[:, None] + cols, cache)  # [B, K+1, V]
-            sampled, logprobs = self._sample(logits, sampling, seeds, positions, rejected)
+            # columns past a row's own drafts are never emitted; clamped, they read any uniform
+            at = (done[:, None] + cols).clamp(max=uniforms.shape[1] - 1)
+            column_uniforms = uniforms.gather(1, at)  # [B, K+1]
+            sampled, logprobs = self._sample(logits, sampling, column_uniforms, rejected)
             accepted = _accepted(sampled, fed, proposed)  # [B] draft tokens kept
             emitted = (accepted + 1).minimum(left)  # drafts never exceed left - 1; a guard
             is_eos = torch.isin(sampled, eos) & (cols[None] < emitted[:, None])
             stopped = is_eos.any(1)
             emitted = torch.where(stopped, is_eos.int().argmax(1) + 1, emitted)
-            left = left - emitted
+            left, done = left - emitted, done + emitted
             for row, n, k, a, new, lps in zip(
                 rows.tolist(),
                 emitted.tolist(),
@@ -155,8 +161,8 @@ class HFEngine:
             if bool(finished.any()):
                 keep = (~finished).nonzero().squeeze(1)
                 cache.batch_select_indices(keep)
-                rows, tokens, positions, seeds, left, attention = (
-                    t[keep] for t in (rows, tokens, positions, seeds, left, attention)
+                rows, tokens, positions, left, done, uniforms, attention = (
+                    t[keep] for t in (rows, tokens, positions, left, done, uniforms, attention)
                 )
                 sampling = sampling.select(keep)
             rejected = [None] * len(rows)
@@ -194,14 +200,14 @@ class HFEngine:
         self,
         logits: torch.Tensor,
         sampling: RowSampling,
-        seeds: torch.Tensor,
-        positions: torch.Tensor,
+        uniforms: torch.Tensor,
         rejected: list[int | None],
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The token at every fed column's next position and its behaviour logprob, both [B, K+1].
-        Column j's token is sampled with the counter-based uniform of its position, so it is the
-        token decoding without drafts would sample there. A rejected token (`reject_token` of the
-        request) is removed from the first column's distribution; its logprob stays the full one."""
+        Column j's token is sampled with the counter-based uniform of its position (`uniforms`
+        [B, K+1]), so it is the token decoding without drafts would sample there. A rejected
+        token (`reject_token` of the request) is removed from the first column's distribution;
+        its logprob stays the full one."""
         batch, columns, vocab = logits.shape
         logprobs = sampling_logprobs(logits.reshape(-1, vocab), sampling.repeat(columns))
         logprobs = logprobs.view(batch, columns, vocab)
@@ -209,11 +215,8 @@ class HFEngine:
         if any(r is not None for r in rejected):
             draw_from = logprobs.clone()
             draw_from[:, 0] = _residual(logprobs[:, 0], rejected)
-        targets = positions[:, None] + 1 + torch.arange(columns, device=logits.device)
-        uniforms = seeded_uniform(
-            seeds[:, None].expand(-1, columns).reshape(-1), targets.reshape(-1)
-        )
-        sampled = sample_from_logprobs(draw_from.reshape(-1, vocab), uniforms).view(batch, columns)
+        sampled = sample_from_logprobs(draw_from.reshape(-1, vocab), uniforms.reshape(-1))
+        sampled = sampled.view(batch, columns)
         return sampled, logprobs.gather(2, sampled[..., None]).squeeze(2)
 
     def _prefill(self, contexts: list[list[int]]) -> tuple[DynamicCache, torch.Tensor]:
@@ -342,6 +345,12 @@ def _residual(logprobs: torch.Tensor, rejected: Sequence[int | None]) -> torch.T
     residual[rows, [rejected[row] for row in rows]] = float("-inf")
     residual[rows] = residual[rows].log_softmax(-1)
     return residual
+
+
+def _uniform_table(seeds: torch.Tensor, first: torch.Tensor, width: int) -> torch.Tensor:
+    """seeded_uniform of every row's next `width` positions, from `first` [B] on: [B, width]."""
+    positions = first[:, None] + torch.arange(width, device=first.device)
+    return seeded_uniform(seeds[:, None].expand_as(positions), positions)
 
 
 def _reason(stopped: bool) -> FinishReason:

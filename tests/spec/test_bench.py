@@ -3,7 +3,7 @@ import math
 
 import pytest
 
-from specrl.bench import ARMS, parse_arms, run_bench
+from specrl.bench import ARMS, parse_arms, parse_seeds, run_bench
 from specrl.cli import main
 from specrl.errors import UserError
 from tests.conftest import small_config
@@ -49,3 +49,26 @@ def test_arms_are_checked(capsys):
         parse_arms("vanilla,fast")
     assert main(["bench", "--arms", "spec,tree"]) == 2
     assert "give vanilla and at least one of spec, tree, spec+tree" in capsys.readouterr().err
+    assert parse_seeds("1, 2,1") == [1, 2] and parse_seeds(None) is None
+    assert main(["bench", "--seeds", "1,x"]) == 2
+    assert "--seeds '1,x': give comma-separated non-negative integers" in capsys.readouterr().err
+
+
+def test_bench_pools_seeds(tiny_policy_dir, tmp_path):
+    cfg = small_config(
+        tiny_policy_dir, tmp_path / "unused", "data.train_size=8", "trainer.total_training_steps=3",
+        "trainer.save_freq=0", "trainer.test_freq=3",
+    )  # fmt: skip
+    result = run_bench(cfg, tmp_path / "bench", ("vanilla", "spec"), [3, 4], log=lambda _: None)
+    assert result["seeds"] == [3, 4] and result["steps"] == 3
+    for arm in ("vanilla", "spec"):
+        runs = [tmp_path / "bench" / f"seed{seed}" / arm / "metrics.jsonl" for seed in (3, 4)]
+        histories = [[json.loads(x) for x in run.read_text().splitlines()] for run in runs]
+        finals = [next(m["val/acc/mean@1"] for m in reversed(h) if "val/acc/mean@1" in m)
+                  for h in histories]  # fmt: skip
+        assert result["arms"][arm]["final_acc_per_seed"] == finals
+        assert result["arms"][arm]["final_acc"] == pytest.approx(sum(finals) / 2)
+        rollout = sum(m.get("timing_s/rollout", 0) for h in histories for m in h)
+        assert result["arms"][arm]["rollout_time_s"] == pytest.approx(rollout)
+    # different seeds sample different responses
+    assert histories[0][1]["response_length/mean"] != histories[1][1]["response_length/mean"]
