@@ -41,7 +41,11 @@ class DataConfig(Section):
         description="dotted column path of the ground truth; plain jsonl may use 'answer'",
     )
     train_size: int = Field(1024, ge=1, description="built-in task: number of training problems")
-    val_size: int = Field(200, ge=1, description="built-in task: number of held-out problems")
+    val_size: int = Field(
+        1000,
+        ge=1,
+        description="built-in task: number of held-out problems (1000: ±1 point binomial noise)",
+    )
     max_prompt_length: int = Field(64, ge=1, description="most tokens per prompt (see truncation)")
     truncation: Literal["error", "filter"] = Field(
         "error",
