@@ -1,9 +1,10 @@
 import pytest
 import torch
 from scipy.stats import chisquare
+from transformers import DynamicCache
 
 from specrl.engines import GREEDY, GenRequest, SamplingParams, ScoreRequest
-from specrl.engines.hf import HFEngine
+from specrl.engines.hf import DecodeCache, HFEngine
 from specrl.engines.sampling import RowSampling, sampling_logprobs, seeded_uniform
 from tests.conftest import EOS, PAD, make_tiny_model
 
@@ -209,3 +210,28 @@ def test_load_weights_invalidates_the_prefix_cache(engine, tiny_model):
     assert engine._prefix_cache.find(list(PROMPTS[0])) is not None
     engine.load_weights(tiny_model.state_dict())  # shared tensors: nothing copied
     assert engine._prefix_cache.find(list(PROMPTS[0])) is None
+
+
+def test_decode_cache_grows_in_place_and_matches_dynamic_cache():
+    torch.manual_seed(0)
+    ours, reference = DecodeCache(), DynamicCache()
+
+    def update(batch, columns):
+        keys = torch.randn(batch, 2, columns, 8)
+        for cache in (ours, reference):
+            got = cache.update(keys, -keys, 0)
+        assert torch.equal(got[0], ours.layers[0].keys) and torch.equal(got[1], -got[0])
+        assert torch.equal(ours.layers[0].keys, reference.layers[0].keys)
+
+    update(3, 4)  # prefill
+    buffer = ours.layers[0].buffers[0].data_ptr()
+    for _ in range(5):
+        update(3, 1)
+    assert ours.layers[0].buffers[0].data_ptr() == buffer  # decode steps wrote in place
+    for cache in (ours, reference):
+        cache.batch_select_indices(torch.tensor([0, 2]))
+    assert torch.equal(ours.layers[0].keys, reference.layers[0].keys)
+    spare = ours.layers[0].spare_columns
+    for _ in range(spare):  # past the spare columns: into a new, larger buffer
+        update(2, 1)
+    assert ours.get_seq_length() == reference.get_seq_length() == 9 + spare

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import torch
 from transformers import AutoModelForCausalLM, DynamicCache, PreTrainedModel
+from transformers.cache_utils import DynamicLayer
 
 from specrl.engines.base import (
     FinishReason,
@@ -250,7 +251,7 @@ class HFEngine:
             parts.append((group, [t.index_select(0, rows) for t in kv], attention))
         if not any(kv for _, kv, _ in parts):  # nothing cached, nothing to prefill
             width = torch.zeros(len(contexts), 0, dtype=torch.long, device=self.device)
-            return DynamicCache(), width
+            return DecodeCache(), width
         return _merge(parts)
 
     @torch.inference_mode()
@@ -398,6 +399,71 @@ class PrefixCache:
         return None
 
 
+class DecodeCache(DynamicCache):
+    """The KV cache of a decode loop: a DynamicCache whose layers grow in place."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer_class_to_replicate = _GrowingLayer
+
+
+class _GrowingLayer(DynamicLayer):
+    """A DynamicLayer whose keys and values are views of buffers with columns to spare: a decode
+    step writes its columns in place, where DynamicLayer concatenates and so copies the whole
+    cache every step. Rows leave by selecting rows of the buffers; keys and values put in place
+    from outside (`_compact`) move into new buffers at the next update."""
+
+    spare_columns = 32
+    buffers: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        start = self.get_seq_length()
+        end = start + key_states.shape[-2]
+        if not self._viewed(end):
+            self.buffers = (
+                _grown(self.keys, key_states, self.spare_columns),
+                _grown(self.values, value_states, self.spare_columns),
+            )
+        keys, values = self.buffers
+        keys[:, :, start:end] = key_states
+        values[:, :, start:end] = value_states
+        self.keys, self.values = keys[:, :, :end], values[:, :, :end]
+        return self.keys, self.values
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        length = self.get_seq_length()
+        if not self._viewed(length):
+            super().batch_select_indices(indices)
+            return
+        self.buffers = (self.buffers[0][indices], self.buffers[1][indices])
+        self.keys, self.values = (b[:, :, :length] for b in self.buffers)
+
+    def _viewed(self, end: int) -> bool:
+        """Whether keys and values are views of the buffers, which have room up to `end`."""
+        return (
+            self.buffers is not None
+            and end <= self.buffers[0].shape[2]
+            and self.keys.shape[0] == self.buffers[0].shape[0]
+            and self.keys.data_ptr() == self.buffers[0].data_ptr()
+            and self.values.data_ptr() == self.buffers[1].data_ptr()
+        )
+
+
+def _grown(cached: torch.Tensor, new: torch.Tensor, spare: int) -> torch.Tensor:
+    """A buffer [B, H, T + T' + spare, D] holding `cached` [B, H, T, D] in its first T columns,
+    with room for `new` [B, H, T', D] and `spare` columns after it."""
+    batch, heads, length, dim = new.shape
+    start = cached.shape[2] if cached.dim() == 4 else 0
+    buffer = new.new_empty(batch, heads, start + length + spare, dim)
+    if start:
+        buffer[:, :, :start] = cached
+    return buffer
+
+
 def _layers_kv(cache: DynamicCache) -> list[torch.Tensor]:
     """[K_0, V_0, K_1, V_1, ...], each [B, heads, T, head_dim]."""
     return [t for layer in cache.layers for t in (layer.keys, layer.values)]
@@ -419,7 +485,7 @@ def _merge(
     masks = torch.cat(
         [torch.nn.functional.pad(mask, (width - mask.shape[1], 0)) for _, _, mask in parts]
     )
-    cache = DynamicCache()
+    cache = DecodeCache()
     layers = max(len(kv) for _, kv, _ in parts) // 2
     for layer in range(layers):
         keys, values = [], []
