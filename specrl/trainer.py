@@ -349,9 +349,15 @@ class Trainer:
         is_weights = None
         correction = cfg.algorithm.rollout_correction
         if correction.rollout_is is not None:
+            # weighed against what each token was sampled with: the engine's logprobs, or the
+            # lenient specrl rule's own probability where it decided the token
+            behaviour = [
+                r.logprobs if r.behaviour_logprobs is None else r.behaviour_logprobs
+                for r in rollouts
+            ]
             is_weights = rollout_is_weights(
                 old_logprobs,
-                rollout_logprobs,
+                batch.pad_responses(behaviour),
                 batch.response_mask.float(),
                 correction.rollout_is,
                 correction.rollout_is_threshold,

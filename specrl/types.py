@@ -38,8 +38,11 @@ class Rollout:
     prompt: Prompt
     slot: int
     token_ids: list[int]
-    logprobs: list[float]  # behaviour logprobs
+    logprobs: list[float]  # the current policy's logprob of each token, as the engine computed it
     finish_reason: FinishReason
     policy_version: int
     text: str = ""
     score: float = 0.0
+    # The probability each token was sampled with where that is not `logprobs` (speculative
+    # rollouts under the lenient specrl rule, see spec/verify.py); None: `logprobs`.
+    behaviour_logprobs: list[float] | None = None

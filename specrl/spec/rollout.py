@@ -13,6 +13,7 @@ import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from specrl.config import SpecConfig
@@ -21,7 +22,7 @@ from specrl.engines.sampling import seeded_uniform
 from specrl.engines.speculation import Drafting, DraftWidth
 from specrl.spec.store import RolloutStore, StoredRollout
 from specrl.spec.tree import TokenTree, TreeDrafts
-from specrl.spec.verify import accept_mask, cut_indices
+from specrl.spec.verify import accept_mask, cut_indices, specrl_behaviour_logprobs
 from specrl.types import Prompt, Rollout
 
 
@@ -56,10 +57,12 @@ def generate_rollouts(
 
 @dataclass
 class Verified:
-    """Outcome of verifying one draft: the cut index and the current logprobs of draft[:cut]."""
+    """Outcome of verifying one draft: the cut index, the current logprobs of draft[:cut] and
+    those of every draft token scored (chunked verification stops after the cut's chunk)."""
 
     cut: int
     logprobs: list[float]
+    scored: list[float]
 
 
 class RolloutStage:
@@ -117,6 +120,10 @@ class RolloutStage:
                 zip(slots, drafts, verified, strict=True)
             )
         ]
+        if self.spec.enabled and self.spec.acceptance == "specrl":
+            behaviour_start = time.perf_counter()
+            self._lenient_behaviour(slots, drafts, verified, rollouts, metrics)
+            verify_time += time.perf_counter() - behaviour_start
         if self.spec.enabled:
             for r in rollouts:
                 self.store.put(
@@ -180,7 +187,7 @@ class RolloutStage:
             still = []
             for i, k in zip(active, cuts, strict=True):
                 if k < len(new[i]) or len(new[i]) == len(targets[i]):
-                    out[i] = Verified(k, new[i][:k])
+                    out[i] = Verified(k, new[i][:k], new[i])
                 else:
                     still.append(i)
             active, offset = still, offset + chunk
@@ -299,6 +306,53 @@ class RolloutStage:
             version,
         )
 
+    def _lenient_behaviour(
+        self,
+        slots: list[tuple[Prompt, int]],
+        drafts: list[StoredRollout | None],
+        verified: list[Verified | None],
+        rollouts: list[Rollout],
+        metrics: dict[str, float],
+    ) -> None:
+        """Set the behaviour logprobs of every drafted rollout (`specrl_behaviour_logprobs`). The
+        current logprob of the draft token where a response first leaves its draft is known from
+        verification, except past the chunks chunked verification scored: those are scored
+        here, in one batch."""
+        drafted = [i for i, check in enumerate(verified) if check is not None]
+        matched = {i: _common_prefix(rollouts[i].token_ids, drafts[i].token_ids) for i in drafted}
+        leaves = [
+            i for i in drafted if matched[i] < min(len(rollouts[i].token_ids), len(drafts[i]))
+        ]
+        unscored = [i for i in leaves if matched[i] >= len(verified[i].scored)]
+        requests = [
+            ScoreRequest(
+                [*slots[i][0].ids, *rollouts[i].token_ids[: matched[i]]],
+                [int(drafts[i].token_ids[matched[i]])],
+                self.sampling,
+            )
+            for i in unscored
+        ]
+        extra = self.engine.score(requests) if requests else []
+        mismatch = {i: verified[i].scored[matched[i]] for i in leaves if i not in unscored}
+        mismatch.update({i: float(lp[0]) for i, lp in zip(unscored, extra, strict=True)})
+        gap, tokens = 0.0, 0
+        for i in drafted:
+            r = rollouts[i]
+            r.behaviour_logprobs = specrl_behaviour_logprobs(
+                r.logprobs,
+                matched[i],
+                drafts[i].logprobs.tolist(),
+                mismatch.get(i),
+                self.spec.log_lenience,
+            )
+            gap += sum(abs(q - p) for q, p in zip(r.behaviour_logprobs, r.logprobs, strict=True))
+            tokens += len(r.logprobs)
+        _accumulate(metrics, "spec/behaviour_gap_sum", gap)
+        _accumulate(metrics, "spec/behaviour_gap_tokens", tokens)
+        metrics["spec/behaviour_logprob_gap"] = metrics["spec/behaviour_gap_sum"] / max(
+            metrics["spec/behaviour_gap_tokens"], 1
+        )
+
     def _metrics(
         self,
         metrics: dict[str, float],
@@ -331,6 +385,13 @@ class RolloutStage:
         )
         metrics["spec/store_entries"] = len(self.store)
         metrics["spec/store_bytes_per_token"] = self.store.nbytes / max(self.store.num_tokens, 1)
+
+
+def _common_prefix(tokens: Sequence[int], draft) -> int:
+    """How many leading tokens of a response equal its draft's (a numpy array)."""
+    n = min(len(tokens), len(draft))
+    differ = (np.asarray(tokens[:n]) != draft[:n]).nonzero()[0]
+    return int(differ[0]) if len(differ) else n
 
 
 def _accumulate(metrics: dict[str, float], key: str, value: float) -> None:

@@ -165,3 +165,55 @@ def test_exact_rule_matches_the_target_distribution_with_adversarial_drafts(acce
         assert pvalue > 1e-3
     else:
         assert pvalue < 1e-6
+
+
+def test_specrl_behaviour_logprobs_are_what_responses_are_sampled_with():
+    """20k slots share one draft, the current policy's most frequent full-length response, stored
+    as if an earlier policy had been sure of it: ℓ·p_new/p_old < 1, so drafts are cut often and
+    the token sampled afresh at a cut is often the draft's own. Under the lenient specrl rule the
+    empirical frequency of each complete response must match exp(sum of its behaviour logprobs)
+    (chi-square, p > 1e-3), and must not match the current policy's own probability of it
+    (p < 1e-6): the rule is off-policy, and the behaviour logprobs say by how much."""
+    vocab, max_len, n = 5, 4, 20_000
+    prompt = Prompt((2, 3), Example("p", "", "test"))
+    target, _ = target_and_drafter(vocab, n)
+    samples = generate_rollouts(target, [prompt], 512, SAMPLING, max_len, ("draft",), 0)
+    whole = [tuple(r.token_ids) for r in samples if len(r.token_ids) == max_len]
+    draft = max(set(whole), key=whole.count)
+    store = RolloutStore()
+    sure = [0.0] * max_len
+    for slot in range(n):
+        store.put(prompt.prompt_id, slot, list(draft), sure, "length", 0)
+    chunked_store = RolloutStore()
+    chunked_store.load_state_dict(store.state_dict())
+    metrics = {}
+    # ℓ = 1 and p_old = 1: α = p_new, never 1, so no acceptance probability saturates
+    full = SpecConfig(enabled=True, log_lenience=0.0)
+    rollouts = RolloutStage(target, SAMPLING, max_len, full, store)(
+        [prompt], n, ("spec",), 1, metrics
+    )
+    # chunked verification (one token per pass) scores where responses leave the draft later
+    chunked = full.model_copy(update={"verify_mode": "chunked", "verify_chunk_size": 1})
+    again = RolloutStage(target, SAMPLING, max_len, chunked, chunked_store)(
+        [prompt], n, ("spec",), 1, {}
+    )
+    assert tokens(again) == tokens(rollouts)
+    for x, y in zip(rollouts, again, strict=True):
+        assert x.behaviour_logprobs == pytest.approx(y.behaviour_logprobs, abs=1e-5)
+    assert metrics["spec/reused_tokens"] > 0 and metrics["spec/behaviour_logprob_gap"] > 0
+    behaviour, current, counts = {}, {}, {}
+    for r in rollouts:
+        seq = tuple(r.token_ids)
+        counts[seq] = counts.get(seq, 0) + 1
+        behaviour.setdefault(seq, math.exp(sum(r.behaviour_logprobs)))
+        current.setdefault(seq, math.exp(sum(r.logprobs)))
+        assert math.exp(sum(r.behaviour_logprobs)) == pytest.approx(behaviour[seq], rel=1e-4)
+
+    def pvalue(probs):
+        common = [seq for seq, p in probs.items() if p * n >= 5]
+        observed = [counts[s] for s in common] + [n - sum(counts[s] for s in common)]
+        expected = [probs[s] * n for s in common] + [n - sum(probs[s] * n for s in common)]
+        return chisquare(observed, expected, sum_check=False).pvalue
+
+    assert pvalue(behaviour) > 1e-3
+    assert pvalue(current) < 1e-6
