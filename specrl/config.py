@@ -169,7 +169,8 @@ class FilterGroupsConfig(Section):
 class RolloutCorrectionConfig(Section):
     rollout_is: Literal["token", "sequence"] | None = Field(
         None,
-        description="truncated importance sampling for the rollout engine's logprob mismatch",
+        description="truncated importance sampling of the trainer's policy over what tokens were "
+        "sampled with: the engine's logprobs, or the lenient specrl rule's own probabilities",
     )
     rollout_is_threshold: float = Field(
         2.0, gt=0.0, description="upper bound of the rollout importance weights"
