@@ -22,7 +22,12 @@ from specrl.engines.sampling import seeded_uniform
 from specrl.engines.speculation import Drafting, DraftWidth
 from specrl.spec.store import RolloutStore, StoredRollout
 from specrl.spec.tree import TokenTree, TreeDrafts
-from specrl.spec.verify import accept_mask, cut_indices, specrl_behaviour_logprobs
+from specrl.spec.verify import (
+    accept_mask,
+    cut_indices,
+    log_acceptance,
+    specrl_behaviour_logprobs,
+)
 from specrl.types import Prompt, Rollout
 
 
@@ -57,12 +62,16 @@ def generate_rollouts(
 
 @dataclass
 class Verified:
-    """Outcome of verifying one draft: the cut index, the current logprobs of draft[:cut] and
-    those of every draft token scored (chunked verification stops after the cut's chunk)."""
+    """Outcome of verifying one draft: the cut index and the current logprobs of the draft tokens
+    scored (all of them, or up to the cut's chunk in chunked verification)."""
 
     cut: int
-    logprobs: list[float]
     scored: list[float]
+
+    @property
+    def logprobs(self) -> list[float]:
+        """Current logprobs of the kept tokens, draft[:cut]."""
+        return self.scored[: self.cut]
 
 
 class RolloutStage:
@@ -187,7 +196,7 @@ class RolloutStage:
             still = []
             for i, k in zip(active, cuts, strict=True):
                 if k < len(new[i]) or len(new[i]) == len(targets[i]):
-                    out[i] = Verified(k, new[i][:k], new[i])
+                    out[i] = Verified(k, new[i])
                 else:
                     still.append(i)
             active, offset = still, offset + chunk
@@ -323,7 +332,12 @@ class RolloutStage:
         leaves = [
             i for i in drafted if matched[i] < min(len(rollouts[i].token_ids), len(drafts[i]))
         ]
-        unscored = [i for i in leaves if matched[i] >= len(verified[i].scored)]
+        mismatch = {
+            i: verified[i].scored[matched[i]]
+            for i in leaves
+            if matched[i] < len(verified[i].scored)
+        }
+        unscored = [i for i in leaves if i not in mismatch]
         requests = [
             ScoreRequest(
                 [*slots[i][0].ids, *rollouts[i].token_ids[: matched[i]]],
@@ -333,18 +347,27 @@ class RolloutStage:
             for i in unscored
         ]
         extra = self.engine.score(requests) if requests else []
-        mismatch = {i: verified[i].scored[matched[i]] for i in leaves if i not in unscored}
         mismatch.update({i: float(lp[0]) for i, lp in zip(unscored, extra, strict=True)})
-        gap, tokens = 0.0, 0
-        for i in drafted:
+        # α of the draft tokens each response follows, then of the one where it leaves its draft,
+        # for all rollouts at once (flat)
+        new = [
+            [*rollouts[i].logprobs[: matched[i]], *([mismatch[i]] if i in mismatch else [])]
+            for i in drafted
+        ]
+        old = [drafts[i].logprobs[: len(x)] for i, x in zip(drafted, new, strict=True)]
+        log_alpha = log_acceptance(
+            torch.tensor([p for x in new for p in x], dtype=torch.float64),
+            torch.from_numpy(np.concatenate(old or [np.zeros(0)])).double(),
+            "specrl",
+            self.spec.log_lenience,
+        ).tolist()
+        gap, tokens, start = 0.0, 0, 0
+        for i, x in zip(drafted, new, strict=True):
             r = rollouts[i]
             r.behaviour_logprobs = specrl_behaviour_logprobs(
-                r.logprobs,
-                matched[i],
-                drafts[i].logprobs.tolist(),
-                mismatch.get(i),
-                self.spec.log_lenience,
+                r.logprobs, matched[i], log_alpha[start : start + len(x)]
             )
+            start += len(x)
             gap += sum(abs(q - p) for q, p in zip(r.behaviour_logprobs, r.logprobs, strict=True))
             tokens += len(r.logprobs)
         _accumulate(metrics, "spec/behaviour_gap_sum", gap)
@@ -387,7 +410,7 @@ class RolloutStage:
         metrics["spec/store_bytes_per_token"] = self.store.nbytes / max(self.store.num_tokens, 1)
 
 
-def _common_prefix(tokens: Sequence[int], draft) -> int:
+def _common_prefix(tokens: Sequence[int], draft: np.ndarray) -> int:
     """How many leading tokens of a response equal its draft's (a numpy array)."""
     n = min(len(tokens), len(draft))
     differ = (np.asarray(tokens[:n]) != draft[:n]).nonzero()[0]

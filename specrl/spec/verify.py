@@ -29,6 +29,23 @@ import torch
 AcceptanceRule = Literal["specrl", "exact"]
 
 
+def log_acceptance(
+    new_logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    rule: AcceptanceRule,
+    log_lenience: float,
+) -> torch.Tensor:
+    """log α: the log-probability of accepting each draft token once the ones before it were.
+    All [B, T] (or [T])."""
+    if rule == "exact":
+        return new_logprobs
+    if log_lenience == math.inf:
+        return torch.zeros_like(new_logprobs)
+    if log_lenience == -math.inf:
+        return torch.full_like(new_logprobs, -math.inf)
+    return (log_lenience + new_logprobs - old_logprobs).clamp(max=0.0)
+
+
 def accept_mask(
     new_logprobs: torch.Tensor,
     old_logprobs: torch.Tensor,
@@ -37,60 +54,40 @@ def accept_mask(
     log_lenience: float,
 ) -> torch.Tensor:
     """Per-token acceptance decisions, before the first-rejection cut. All [B, T] → bool [B, T]."""
-    log_u = uniforms.log()
-    if rule == "exact":
-        return log_u < new_logprobs
-    if log_lenience == math.inf:
-        return torch.ones_like(new_logprobs, dtype=torch.bool)
-    if log_lenience == -math.inf:
-        return torch.zeros_like(new_logprobs, dtype=torch.bool)
-    return log_u < log_lenience + new_logprobs - old_logprobs
+    return uniforms.log() < log_acceptance(new_logprobs, old_logprobs, rule, log_lenience)
 
 
 def specrl_behaviour_logprobs(
-    logprobs: Sequence[float],
-    matched: int,
-    draft_logprobs: Sequence[float],
-    mismatch_logprob: float | None,
-    log_lenience: float,
+    logprobs: Sequence[float], matched: int, log_alpha: Sequence[float]
 ) -> list[float]:
     """log q(y_t | y_<t) of each token of a response y the `specrl` rule produced from a draft d:
     the probability it was sampled with, given only the tokens before it.
 
     While y follows d the rule may still be accepting draft tokens or may have cut and be
     sampling afresh from the current policy p (a resampled token can equal the draft's). With
-    π_t the probability of still accepting given y_<t (π_0 = 1) and α_t = min(1, ℓ p(d_t) /
-    p_old(d_t)): q(d_t) = π_t α_t + (1 − π_t α_t) p(d_t) and π_{t+1} = π_t α_t / q(d_t); at the
-    first token that differs from d, q(y_t) = (1 − π_t α_t) p(y_t); after it, q = p.
+    π_t the probability of still accepting given y_<t (π_0 = 1) and α_t the rule's acceptance
+    probability of d_t: q(d_t) = π_t α_t + (1 − π_t α_t) p(d_t) and π_{t+1} = π_t α_t / q(d_t);
+    at the first token that differs from d, q(y_t) = (1 − π_t α_t) p(y_t); after it, q = p.
 
-    `logprobs`: log p(y_t | y_<t); `matched`: how many leading tokens of y equal d's;
-    `draft_logprobs`: log p_old of d's tokens; `mismatch_logprob`: log p(d_t | y_<t) at
-    t = matched when y differs from d there (None when y or d ends first)."""
+    `logprobs`: log p(y_t | y_<t); `matched`: how many leading tokens of y equal d's; `log_alpha`:
+    log α_t for those tokens, and for the draft token where y leaves d when it does (so
+    `matched + 1` values then)."""
     behaviour = []
     log_pi = 0.0
     for t in range(matched):
-        log_keep = log_pi + _log_alpha(logprobs[t], draft_logprobs[t], log_lenience)
+        log_keep = log_pi + log_alpha[t]
         keep = math.exp(log_keep)
         log_q = math.log(keep + (1.0 - keep) * math.exp(logprobs[t]))
         behaviour.append(log_q)
         log_pi = log_keep - log_q
-    if mismatch_logprob is not None:
-        log_keep = log_pi + _log_alpha(mismatch_logprob, draft_logprobs[matched], log_lenience)
-        behaviour.append(logprobs[matched] + _log1mexp(log_keep))
+    if len(log_alpha) > matched:
+        behaviour.append(logprobs[matched] + _log1mexp(log_pi + log_alpha[matched]))
     return behaviour + list(logprobs[len(behaviour) :])
 
 
 def _log1mexp(x: float) -> float:
     """log(1 - e^x) for x <= 0."""
     return math.log(-math.expm1(x)) if x < 0 else -math.inf
-
-
-def _log_alpha(new: float, old: float, log_lenience: float) -> float:
-    if log_lenience == math.inf:
-        return 0.0
-    if log_lenience == -math.inf:
-        return -math.inf
-    return min(0.0, log_lenience + new - old)
 
 
 def cut_indices(accepted: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
