@@ -94,8 +94,8 @@ def test_rejected_draft_columns_are_dropped_from_the_cache(engine, monkeypatch):
     """Junk drafts of 8 tokens per forward: most columns are rejected, the cache is compacted
     several times, and the output is still that of decoding without drafts."""
     calls = []
-    compact = hf._compact
-    monkeypatch.setattr(hf, "_compact", lambda *a: calls.append(1) or compact(*a))
+    compact = hf.DecodeCache.compact
+    monkeypatch.setattr(hf.DecodeCache, "compact", lambda *a: calls.append(1) or compact(*a))
     requests = [GenRequest(p, 60, SamplingParams(1.0), seed=i) for i, p in enumerate(PROMPTS)]
     plain = engine.generate(requests)
     drafted = engine.generate(requests, drafting([[]] * len(PROMPTS), k=8))

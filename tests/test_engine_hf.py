@@ -4,7 +4,7 @@ from scipy.stats import chisquare
 from transformers import DynamicCache
 
 from specrl.engines import GREEDY, GenRequest, SamplingParams, ScoreRequest
-from specrl.engines.hf import DecodeCache, HFEngine
+from specrl.engines.hf import DecodeCache, HFEngine, _staying
 from specrl.engines.sampling import RowSampling, sampling_logprobs, seeded_uniform
 from tests.conftest import EOS, PAD, make_tiny_model
 
@@ -160,8 +160,9 @@ def test_identical_score_requests_are_computed_once(engine, tiny_model):
 
 def test_decoding_after_score_reuses_the_scored_prefix(tiny_model):
     """Continuing prompt + draft[:k] after scoring prompt + draft takes the prefix's KV from the
-    score pass: no prefill pass, same tokens and logprobs as a cold engine."""
-    drafts = [[5, 6, 7, 8, 9], [2, 2, 3], [4, 4, 4, 4]]
+    score pass: no prefill pass, no KV columns for the rejected draft tokens, same tokens and
+    logprobs as a cold engine."""
+    drafts = [[5, 6, 7, 8, 9, 10, 11, 10, 9], [2, 2, 3], [4, 4, 4, 4]]
     cuts = [2, 0, 4]
     requests = [
         GenRequest(PROMPTS[i], 6, seed=i, prefix_ids=d[:k])
@@ -174,12 +175,17 @@ def test_decoding_after_score_reuses_the_scored_prefix(tiny_model):
     warm.score([ScoreRequest(PROMPTS[i], d) for i, d in enumerate(drafts)])
     passes = []
     hook = tiny_model.model.register_forward_hook(
-        lambda m, args, kwargs, out: passes.append(tuple(kwargs["input_ids"].shape)),
+        lambda m, args, kwargs, out: passes.append(
+            (tuple(kwargs["input_ids"].shape), kwargs["attention_mask"].shape[1])
+        ),
         with_kwargs=True,
     )
     hot = warm.generate(requests)
     hook.remove()
-    assert passes[0] == (1, 2)  # only the context of [11, 3, 3] needed a prefill ([8] has no head)
+    assert passes[0][0] == (1, 2)  # only the context of [11, 3, 3] needed a prefill ([8] has none)
+    # the first decode step attends to the longest context (PROMPTS[2] + 4 draft tokens), not to
+    # the longest scored sequence (PROMPTS[0] + 9 draft tokens)
+    assert passes[1] == ((5, 1), len(PROMPTS[2]) + 4)
     for a, b in zip(cold, hot, strict=True):
         assert a.token_ids == b.token_ids
         assert torch.allclose(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-5)
@@ -223,15 +229,23 @@ def test_decode_cache_grows_in_place_and_matches_dynamic_cache():
         assert torch.equal(got[0], ours.layers[0].keys) and torch.equal(got[1], -got[0])
         assert torch.equal(ours.layers[0].keys, reference.layers[0].keys)
 
-    update(3, 4)  # prefill
+    update(5, 4)  # prefill
     buffer = ours.layers[0].buffers[0].data_ptr()
     for _ in range(5):
-        update(3, 1)
+        update(5, 1)
     assert ours.layers[0].buffers[0].data_ptr() == buffer  # decode steps wrote in place
-    for cache in (ours, reference):
-        cache.batch_select_indices(torch.tensor([0, 2]))
+    keep = _staying(torch.tensor([True, False, False, True, False]))
+    assert keep.tolist() == [4, 1, 2]  # rows 1, 2 stay in place, row 4 takes row 0's slot
+    ours.keep_rows(keep)
+    reference.batch_select_indices(keep)
     assert torch.equal(ours.layers[0].keys, reference.layers[0].keys)
+    assert ours.layers[0].buffers[0].data_ptr() == buffer  # only row 4 moved
+    ours.drop_front(2)  # columns no row attends to any more
+    for layer in reference.layers:
+        layer.keys, layer.values = layer.keys[:, :, 2:], layer.values[:, :, 2:]
+    update(3, 1)
+    assert ours.layers[0].buffers[0].data_ptr() == buffer  # still written in place
     spare = ours.layers[0].spare_columns
     for _ in range(spare):  # past the spare columns: into a new, larger buffer
-        update(2, 1)
-    assert ours.get_seq_length() == reference.get_seq_length() == 9 + spare
+        update(3, 1)
+    assert ours.get_seq_length() == reference.get_seq_length() == 8 + spare

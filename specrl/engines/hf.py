@@ -94,6 +94,7 @@ class HFEngine:
         contexts = [list(requests[i].prompt_ids) + list(requests[i].prefix_ids) for i in live]
         # KV of every context but its last token; that token is the first one fed below.
         cache, attention = self._prefill(contexts)  # attention [B, W]
+        attention = _drop_padding(cache, attention)
         tokens = torch.tensor([c[-1] for c in contexts], device=self.device)  # [B] fed next
         positions = torch.tensor([len(c) - 1 for c in contexts], device=self.device)  # theirs
         rows = torch.tensor(live, device=self.device)  # request index of each batch row
@@ -160,15 +161,16 @@ class HFEngine:
             tokens = sampled.gather(1, accepted[:, None]).squeeze(1)
             positions = positions + accepted + 1
             if bool(finished.any()):
-                keep = (~finished).nonzero().squeeze(1)
-                cache.batch_select_indices(keep)
+                keep = _staying(finished)
+                cache.keep_rows(keep)
                 rows, tokens, positions, left, done, uniforms, attention = (
                     t[keep] for t in (rows, tokens, positions, left, done, uniforms, attention)
                 )
                 sampling = sampling.select(keep)
+                attention = _drop_padding(cache, attention)
             rejected = [None] * len(rows)
             if width and attention.shape[1] > 2 * int(attention.sum(1).max()) + 32:
-                attention = _compact(cache, attention)
+                attention = cache.compact(attention)
 
     def _drafts(
         self,
@@ -242,13 +244,19 @@ class HFEngine:
         for batch, group in _group_by_batch(hits).items():
             kv, valid = self._prefix_cache.batches[batch]
             rows = torch.tensor([hits[i][1] for i in group], device=self.device)
-            attention = torch.zeros(
-                len(group), valid.shape[1], dtype=torch.long, device=self.device
+            lengths = torch.tensor([len(heads[i]) for i in group], device=self.device)
+            # only the head of each cached row, right-aligned: the scored tokens after it (the
+            # rejected draft) and the padding end up on the left, where they can be dropped
+            width = int(lengths.max())
+            ends = valid[rows].argmax(1) + lengths  # after each head: its first real column on
+            columns = ends[:, None] - width + torch.arange(width, device=self.device)  # [G, W]
+            attention = (columns >= ends[:, None] - lengths[:, None]).long()
+            index = (
+                rows[:, None, None],
+                torch.arange(kv[0].shape[1], device=self.device)[None, :, None],
+                columns.clamp(min=0)[:, None, :],
             )
-            for j, i in enumerate(group):  # keep only the head of each cached row
-                start = int(valid[hits[i][1]].argmax())  # its first real (non-pad) column
-                attention[j, start : start + len(heads[i])] = 1
-            parts.append((group, [t.index_select(0, rows) for t in kv], attention))
+            parts.append((group, [t[index] for t in kv], attention))
         if not any(kv for _, kv, _ in parts):  # nothing cached, nothing to prefill
             width = torch.zeros(len(contexts), 0, dtype=torch.long, device=self.device)
             return DecodeCache(), width
@@ -325,16 +333,23 @@ def _accepted(sampled: torch.Tensor, fed: torch.Tensor, proposed: torch.Tensor) 
     return match.int().cumprod(1).sum(1)
 
 
-def _compact(cache: DynamicCache, attention: torch.Tensor) -> torch.Tensor:
-    """Drop KV columns no row attends to (rejected drafts): every row's kept columns move to the
-    right end in order, the cache narrows to the longest row. → the new attention mask."""
-    width = int(attention.sum(1).max())
-    keep = attention.sort(dim=1, stable=True).indices[:, -width:]  # [B, W'] ones last, in order
-    for layer in cache.layers:
-        index = keep[:, None, :, None].expand(-1, layer.keys.shape[1], -1, layer.keys.shape[3])
-        layer.keys = layer.keys.gather(2, index)
-        layer.values = layer.values.gather(2, index)
-    return attention.gather(1, keep)
+def _drop_padding(cache: DecodeCache, attention: torch.Tensor) -> torch.Tensor:
+    """Drop the leading KV columns no row attends to (attention [B, W]), as when the rows with
+    the longest contexts have left: → the attention mask of the columns kept."""
+    padding = int(attention.argmax(1).min()) if attention.numel() else 0
+    if padding:
+        cache.drop_front(padding)
+    return attention[:, padding:]
+
+
+def _staying(finished: torch.Tensor) -> torch.Tensor:
+    """The batch rows that stay, as the new row order: row i stays in place, and the slot of a
+    finished row among the first B' is taken by a staying row from past B', so only those rows'
+    KV has to move (`DecodeCache.keep_rows`)."""
+    staying = (~finished).nonzero().squeeze(1)
+    keep = torch.arange(len(staying), device=finished.device)
+    keep[finished[: len(staying)]] = staying[staying >= len(staying)]
+    return keep
 
 
 def _residual(logprobs: torch.Tensor, rejected: Sequence[int | None]) -> torch.Tensor:
@@ -406,50 +421,98 @@ class DecodeCache(DynamicCache):
         super().__init__()
         self.layer_class_to_replicate = _GrowingLayer
 
+    def keep_rows(self, keep: torch.Tensor) -> None:
+        """Keep batch rows `keep` [B'] (from `_staying`: row i, or a row past B' in its place)."""
+        for layer in self.layers:
+            layer.keep_rows(keep)
+
+    def drop_front(self, columns: int) -> None:
+        """Drop the first `columns` KV columns, which no row attends to."""
+        for layer in self.layers:
+            layer.drop_front(columns)
+
+    def compact(self, attention: torch.Tensor) -> torch.Tensor:
+        """Drop KV columns no row attends to (rejected drafts; `attention` [B, W]): every row's
+        attended columns move to the right end in order, the cache narrows to the longest row.
+        → the new attention mask [B, W']."""
+        width = int(attention.sum(1).max())
+        columns = attention.sort(dim=1, stable=True).indices[:, attention.shape[1] - width :]
+        for layer in self.layers:
+            layer.keep_columns(columns)
+        return attention.gather(1, columns)
+
 
 class _GrowingLayer(DynamicLayer):
     """A DynamicLayer whose keys and values are views of buffers with columns to spare: a decode
     step writes its columns in place, where DynamicLayer concatenates and so copies the whole
-    cache every step. Rows leave by selecting rows of the buffers; keys and values put in place
-    from outside (`_compact`) move into new buffers at the next update."""
+    cache every step. Rows leave by moving the last rows into their place (`keep_rows`), leading
+    columns by moving the view's start (`drop_front`); keys and values narrowed by `keep_columns`
+    move into a new buffer at the next update."""
 
     spare_columns = 32
     buffers: tuple[torch.Tensor, torch.Tensor] | None = None
+    views: tuple[torch.Tensor, torch.Tensor] | None = None  # what keys and values were set to
+    start = 0  # buffer column of the first key
 
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs
     ) -> tuple[torch.Tensor, torch.Tensor]:
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
-        start = self.get_seq_length()
-        end = start + key_states.shape[-2]
-        if not self._viewed(end):
+        length = self.get_seq_length()
+        if not self._viewed(self.start + length + key_states.shape[-2]):
             self.buffers = (
                 _grown(self.keys, key_states, self.spare_columns),
                 _grown(self.values, value_states, self.spare_columns),
             )
+            self.start = 0
+        begin = self.start + length
+        end = begin + key_states.shape[-2]
         keys, values = self.buffers
-        keys[:, :, start:end] = key_states
-        values[:, :, start:end] = value_states
-        self.keys, self.values = keys[:, :, :end], values[:, :, :end]
+        keys[:, :, begin:end] = key_states
+        values[:, :, begin:end] = value_states
+        self._view(end)
         return self.keys, self.values
 
-    def batch_select_indices(self, indices: torch.Tensor) -> None:
+    def keep_rows(self, keep: torch.Tensor) -> None:
+        """Keep batch rows `keep` [B'], where keep[i] is i or a row past B': those rows move into
+        the buffers' first B' rows, which then are the buffers."""
         length = self.get_seq_length()
-        if not self._viewed(length):
-            super().batch_select_indices(indices)
+        if not self._viewed(self.start + length):
+            self.keys, self.values = self.keys[keep], self.values[keep]
             return
-        self.buffers = (self.buffers[0][indices], self.buffers[1][indices])
-        self.keys, self.values = (b[:, :, :length] for b in self.buffers)
+        moved = (keep != torch.arange(len(keep), device=keep.device)).nonzero().squeeze(1)
+        for buffer in self.buffers:
+            buffer[moved] = buffer[keep[moved]]
+        self.buffers = tuple(b[: len(keep)] for b in self.buffers)
+        self._view(self.start + length)
+
+    def drop_front(self, columns: int) -> None:
+        """Drop the first `columns` KV columns (of every row)."""
+        end = self.start + self.get_seq_length()
+        viewed = self._viewed(end)
+        self.keys, self.values = self.keys[:, :, columns:], self.values[:, :, columns:]
+        if viewed:
+            self.start += columns
+            self._view(end)
+
+    def keep_columns(self, columns: torch.Tensor) -> None:
+        """Keep, of row b, KV columns `columns[b]` in order (columns [B, W'])."""
+        index = columns[:, None, :, None].expand(-1, self.keys.shape[1], -1, self.keys.shape[3])
+        self.keys, self.values = self.keys.gather(2, index), self.values.gather(2, index)
+
+    def _view(self, end: int) -> None:
+        """Keys and values: the buffers' columns from `start` to `end`."""
+        self.keys, self.values = (b[:, :, self.start : end] for b in self.buffers)
+        self.views = (self.keys, self.values)
 
     def _viewed(self, end: int) -> bool:
-        """Whether keys and values are views of the buffers, which have room up to `end`."""
+        """Whether keys and values are still the views `_view` set, with room up to `end`."""
         return (
-            self.buffers is not None
+            self.views is not None
+            and self.keys is self.views[0]
+            and self.values is self.views[1]
             and end <= self.buffers[0].shape[2]
-            and self.keys.shape[0] == self.buffers[0].shape[0]
-            and self.keys.data_ptr() == self.buffers[0].data_ptr()
-            and self.values.data_ptr() == self.buffers[1].data_ptr()
         )
 
 
