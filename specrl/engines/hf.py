@@ -244,19 +244,13 @@ class HFEngine:
         for batch, group in _group_by_batch(hits).items():
             kv, valid = self._prefix_cache.batches[batch]
             rows = torch.tensor([hits[i][1] for i in group], device=self.device)
-            lengths = torch.tensor([len(heads[i]) for i in group], device=self.device)
-            # only the head of each cached row, right-aligned: the scored tokens after it (the
-            # rejected draft) and the padding end up on the left, where they can be dropped
-            width = int(lengths.max())
-            ends = valid[rows].argmax(1) + lengths  # after each head: its first real column on
-            columns = ends[:, None] - width + torch.arange(width, device=self.device)  # [G, W]
-            attention = (columns >= ends[:, None] - lengths[:, None]).long()
-            index = (
-                rows[:, None, None],
-                torch.arange(kv[0].shape[1], device=self.device)[None, :, None],
-                columns.clamp(min=0)[:, None, :],
+            attention = torch.zeros(
+                len(group), valid.shape[1], dtype=torch.long, device=self.device
             )
-            parts.append((group, [t[index] for t in kv], attention))
+            for j, i in enumerate(group):  # keep only the head of each cached row
+                start = int(valid[hits[i][1]].argmax())  # its first real (non-pad) column
+                attention[j, start : start + len(heads[i])] = 1
+            parts.append((group, [t.index_select(0, rows) for t in kv], attention))
         if not any(kv for _, kv, _ in parts):  # nothing cached, nothing to prefill
             width = torch.zeros(len(contexts), 0, dtype=torch.long, device=self.device)
             return DecodeCache(), width
