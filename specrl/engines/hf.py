@@ -494,6 +494,7 @@ class _GrowingLayer(DynamicLayer):
         """Keep, of row b, KV columns `columns[b]` in order (columns [B, W'])."""
         index = columns[:, None, :, None].expand(-1, self.keys.shape[1], -1, self.keys.shape[3])
         self.keys, self.values = self.keys.gather(2, index), self.values.gather(2, index)
+        self.buffers = self.views = None  # the old buffers are not needed any more
 
     def _view(self, end: int) -> None:
         """Keys and values: the buffers' columns from `start` to `end`."""
