@@ -167,14 +167,22 @@ class FilterGroupsConfig(Section):
 
 
 class RolloutCorrectionConfig(Section):
-    rollout_is: Literal["token", "sequence"] | None = Field(
-        None,
+    rollout_is: Literal["auto", "token", "sequence"] | None = Field(
+        "auto",
         description="truncated importance sampling of the trainer's policy over what tokens were "
-        "sampled with: the engine's logprobs, or the lenient specrl rule's own probabilities",
+        "sampled with: the engine's logprobs, or the lenient specrl rule's own probabilities; "
+        "auto: sequence when the lenient specrl rule reuses drafts, else off (null)",
     )
     rollout_is_threshold: float = Field(
         2.0, gt=0.0, description="upper bound of the rollout importance weights"
     )
+
+    def level(self, spec: SpecConfig) -> Literal["token", "sequence"] | None:
+        """The weighting in effect: `auto` weighs whole sequences where the lenient rule decided
+        tokens (its samples are not the policy's), and nothing otherwise."""
+        if self.rollout_is != "auto":
+            return self.rollout_is
+        return "sequence" if spec.enabled and spec.acceptance == "specrl" else None
 
 
 class AlgorithmConfig(Section):

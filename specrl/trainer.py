@@ -348,7 +348,8 @@ class Trainer:
         metrics.update(_mismatch_metrics(old_logprobs, rollout_logprobs, batch.response_mask))
         is_weights = None
         correction = cfg.algorithm.rollout_correction
-        if correction.rollout_is is not None:
+        level = correction.level(cfg.rollout.spec)
+        if level is not None:
             # weighed against what each token was sampled with: the engine's logprobs, or the
             # lenient specrl rule's own probability where it decided the token
             behaviour = [
@@ -359,7 +360,7 @@ class Trainer:
                 old_logprobs,
                 batch.pad_responses(behaviour),
                 batch.response_mask.float(),
-                correction.rollout_is,
+                level,
                 correction.rollout_is_threshold,
             )
             metrics["rollout_corr/rollout_is_mean"] = float(

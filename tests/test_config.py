@@ -44,6 +44,21 @@ def test_yaml_then_overrides(tmp_path):
     assert (cfg.rollout.n, cfg.rollout.temperature, cfg.actor.optim.lr) == (2, 0.8, 3e-5)
 
 
+@pytest.mark.parametrize(
+    ("overrides", "level"),
+    [
+        ([], None),  # vanilla: the engine's logprobs are the policy's
+        (["rollout.spec.enabled=true"], "sequence"),  # the lenient rule's samples are not
+        (["rollout.spec.enabled=true", "rollout.spec.acceptance=exact"], None),
+        (["rollout.spec.enabled=true", "algorithm.rollout_correction.rollout_is=null"], None),
+        (["algorithm.rollout_correction.rollout_is=token"], "token"),
+    ],
+)
+def test_rollout_is_auto_weighs_sequences_only_under_the_lenient_rule(overrides, level):
+    cfg = load_config(None, overrides)
+    assert cfg.algorithm.rollout_correction.level(cfg.rollout.spec) == level
+
+
 def test_unknown_section_in_yaml_lists_valid_sections(tmp_path):
     path = tmp_path / "run.yaml"
     path.write_text("trainner:\n  seed: 3\n")
