@@ -147,6 +147,7 @@ def summarize(
         acceptance=cfg.rollout.spec.acceptance,
         log_lenience=cfg.rollout.spec.log_lenience,
         verify_mode=cfg.rollout.spec.verify_mode,
+        rollout_is=cfg.algorithm.rollout_correction.rollout_is,
         tree=cfg.rollout.spec.tree.model_dump(exclude={"enabled"}),
         engine=_engine_description(cfg.rollout.name),
         machine=f"{platform.machine()} {platform.processor() or ''} "
