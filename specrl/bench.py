@@ -1,7 +1,9 @@
 """`specrl bench`: vanilla and speculative training, same config, seed and data, one process.
 
-Arms: vanilla, spec (SPEC-RL prefix reuse), tree (token-tree drafts only) and spec+tree; the
-default is vanilla and spec, `--arms` picks others. `--seeds 1,2,3` trains every arm once per
+Arms: vanilla, spec (speculative rollouts as configured: SPEC-RL prefix reuse, with token-tree
+drafts for the decoded tail where `rollout.spec.tree.enabled` says so, by default on the
+transformers engine), tree (token-tree drafts only) and spec+tree (both, whatever the config);
+the default is vanilla and spec, `--arms` picks others. `--seeds 1,2,3` trains every arm once per
 seed: one run's final accuracy on a small held-out set moves by a few points from seed to seed.
 
 Writes DIR/bench.json and DIR/bench.png. Speeds are totals over the whole run, measured with
@@ -12,7 +14,7 @@ from __future__ import annotations
 
 import json
 import platform
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from importlib import metadata
 from pathlib import Path
 from typing import Any
@@ -25,9 +27,9 @@ from specrl.errors import UserError
 from specrl.plots import plot_metrics
 from specrl.trainer import Trainer
 
-ARMS = {  # arm → (SPEC-RL prefix reuse, token-tree drafts)
+ARMS = {  # arm → (SPEC-RL prefix reuse, token-tree drafts; None: as configured)
     "vanilla": (False, False),
-    "spec": (True, False),
+    "spec": (True, None),
     "tree": (False, True),
     "spec+tree": (True, True),
 }
@@ -80,7 +82,9 @@ def run_bench(
         seed_dir = out_dir if len(seeds) == 1 else out_dir / f"seed{seed}"
         for arm in arms:
             arm_cfg = cfg.model_copy(deep=True)
-            arm_cfg.rollout.spec.enabled, arm_cfg.rollout.spec.tree.enabled = ARMS[arm]
+            arm_cfg.rollout.spec.enabled, tree = ARMS[arm]
+            if tree is not None:
+                arm_cfg.rollout.spec.tree.enabled = tree
             arm_cfg.trainer.seed = seed
             arm_cfg.trainer.output_dir = str(seed_dir / arm)
             arm_cfg.trainer.resume_mode = "disable"  # a benchmark always measures a fresh run
@@ -93,7 +97,8 @@ def run_bench(
     result = summarize(runs, cfg, seeds)
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "bench.json").write_text(json.dumps(result, indent=2))
-    panels = BENCH_PANELS + ([TREE_PANEL] if any(ARMS[a][1] for a in arms) else [])
+    trees = any(_uses_tree(m for h in hs for m in h) for hs in runs.values())
+    panels = BENCH_PANELS + ([TREE_PANEL] if trees else [])
     plot_metrics(plotted, panels, out_dir / "bench.png")
     return result
 
@@ -128,7 +133,7 @@ def summarize(
         }
         if "spec" in rollout and arm != "spec":
             summary["rollout_speedup_vs_spec"] = rollout["spec"] / rollout[arm]
-        if ARMS[arm][1]:
+        if _uses_tree(arm_steps):
             forwards = _total(arm_steps, "spec/tree/forwards")
             summary["mean_accepted_per_forward"] = summary["decoded_tokens"] / max(forwards, 1)
             summary["tree_draft_tokens"] = _total(arm_steps, "spec/tree/draft_tokens")
@@ -148,7 +153,7 @@ def summarize(
         log_lenience=cfg.rollout.spec.log_lenience,
         verify_mode=cfg.rollout.spec.verify_mode,
         rollout_is=cfg.algorithm.rollout_correction.rollout_is,
-        tree=cfg.rollout.spec.tree.model_dump(exclude={"enabled"}),
+        tree=cfg.rollout.spec.tree.model_dump(),
         engine=_engine_description(cfg.rollout.name),
         machine=f"{platform.machine()} {platform.processor() or ''} "
         f"{torch.get_num_threads()} threads".strip(),
@@ -200,6 +205,10 @@ def _spec_rl(v_steps: list[dict[str, float]], s_steps: list[dict[str, float]]) -
             "spec": _total(s_steps, "spec/decoded_tokens"),
         },
     }
+
+
+def _uses_tree(steps: Iterable[dict[str, float]]) -> bool:
+    return any("spec/tree/forwards" in m for m in steps)
 
 
 def _train_steps(history: list[dict[str, float]]) -> list[dict[str, float]]:

@@ -68,8 +68,10 @@ class ModelConfig(Section):
 
 
 class TreeConfig(Section):
-    enabled: bool = Field(
-        False, description="token-tree drafts (SRT) for the tokens that still have to be decoded"
+    enabled: Literal["auto", True, False] = Field(
+        "auto",
+        description="token-tree drafts (SRT) for the tokens that still have to be decoded; auto: "
+        "in speculative rollouts, on engines that decode with drafts (hf)",
     )
     max_draft_tokens: int = Field(
         8, ge=1, description="K: most draft tokens verified per sequence in one decode forward"
@@ -82,7 +84,7 @@ class TreeConfig(Section):
         2, ge=1, description="rollouts of a prompt (the current one included) its tree keeps"
     )
     online: bool = Field(
-        True, description="add each response to its tree as it finishes, for slots still decoding"
+        False, description="add each response to its tree as it finishes, for slots still decoding"
     )
     max_nodes: int = Field(
         2_000_000,
@@ -111,6 +113,13 @@ class SpecConfig(Section):
         16, ge=1, description="draft tokens per pass in chunked verification"
     )
     tree: TreeConfig = Field(default_factory=TreeConfig)
+
+    def uses_tree(self, engine_drafts: bool) -> bool:
+        """Whether token-tree drafts are in effect on an engine that does (`engine_drafts`) or
+        does not decode with drafts: `auto` uses them for what speculative rollouts decode."""
+        if self.tree.enabled != "auto":
+            return self.tree.enabled
+        return self.enabled and engine_drafts
 
 
 class RolloutConfig(Section):
@@ -267,6 +276,11 @@ class Config(Section):
             )
         if self.rollout.enable_sleep_mode and self.rollout.name != "vllm":
             raise ValueError("rollout.enable_sleep_mode needs rollout.name=vllm")
+        if self.rollout.spec.tree.enabled is True and self.rollout.name == "vllm":
+            raise ValueError(
+                "rollout.spec.tree.enabled=true needs rollout.name=hf: the vllm engine decodes "
+                "without token-tree drafts (use auto or false)"
+            )
         return self
 
 

@@ -27,6 +27,14 @@ from specrl.config import ConfigError, load_config
         (["actor.ppo_mini_batch_size=64"], "must not exceed data.train_batch_size"),
         (["rollout.enable_sleep_mode=true"], "rollout.enable_sleep_mode needs rollout.name=vllm"),
         (["rollout.name=sglang"], "invalid value for rollout.name: 'sglang'"),
+        (
+            ["rollout.spec.tree.enabled=maybe"],
+            "invalid value for rollout.spec.tree.enabled: 'maybe' (input should be 'auto', true or false)",
+        ),
+        (
+            ["rollout.name=vllm", "rollout.spec.tree.enabled=true"],
+            "rollout.spec.tree.enabled=true needs rollout.name=hf",
+        ),
         (["rollout.n"], "not of the form key=value"),
     ],
 )
@@ -57,6 +65,20 @@ def test_yaml_then_overrides(tmp_path):
 def test_rollout_is_auto_weighs_sequences_only_under_the_lenient_rule(overrides, level):
     cfg = load_config(None, overrides)
     assert cfg.algorithm.rollout_correction.level(cfg.rollout.spec) == level
+
+
+@pytest.mark.parametrize(
+    ("overrides", "engine_drafts", "uses"),
+    [
+        ([], True, False),  # vanilla decodes plainly
+        (["rollout.spec.enabled=true"], True, True),  # the tail after the cuts: tree drafts
+        (["rollout.spec.enabled=true"], False, False),  # an engine that decodes without (vllm)
+        (["rollout.spec.enabled=true", "rollout.spec.tree.enabled=false"], True, False),
+        (["rollout.spec.tree.enabled=true"], True, True),  # tree drafts alone
+    ],
+)
+def test_tree_auto_drafts_the_tail_of_speculative_rollouts(overrides, engine_drafts, uses):
+    assert load_config(None, overrides).rollout.spec.uses_tree(engine_drafts) == uses
 
 
 def test_unknown_section_in_yaml_lists_valid_sections(tmp_path):

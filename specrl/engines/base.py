@@ -84,6 +84,7 @@ def distinct_requests(requests: Sequence[ScoreRequest]) -> tuple[list[ScoreReque
 
 class RolloutEngine(Protocol):
     eos_token_ids: frozenset[int]
+    drafts: bool  # whether `generate` decodes with the token-tree drafts it is given
 
     def generate(
         self, requests: Sequence[GenRequest], drafting: Drafting | None = None

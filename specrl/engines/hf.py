@@ -36,6 +36,8 @@ class HFEngine:
     """Rollout engine over a transformers model. When it wraps the trainer's own model object the
     weights are shared, so there is nothing to sync after an update."""
 
+    drafts = True
+
     def __init__(
         self,
         model: PreTrainedModel,

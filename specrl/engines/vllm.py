@@ -111,6 +111,7 @@ class VLLMEngine:
     own weights)."""
 
     _shared: ClassVar[dict[tuple, VLLMEngine]] = {}
+    drafts = False  # see `generate`
 
     @classmethod
     def shared(cls, path: str | Path, eos_token_ids: Sequence[int], **kwargs: Any) -> VLLMEngine:

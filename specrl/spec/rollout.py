@@ -88,7 +88,8 @@ class RolloutStage:
         self.max_response_length = max_response_length
         self.spec = spec
         self.store = store
-        self.tree = TokenTree(spec.tree.window, spec.tree.max_nodes) if spec.tree.enabled else None
+        uses_tree = spec.uses_tree(engine.drafts)
+        self.tree = TokenTree(spec.tree.window, spec.tree.max_nodes) if uses_tree else None
         self.draft_width = DraftWidth(spec.tree.max_draft_tokens, spec.tree.adaptive)
 
     def __call__(

@@ -21,7 +21,7 @@ rolled-out prompts' trees whole.
 
 from __future__ import annotations
 
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Sequence
 from typing import Any
 
@@ -46,37 +46,38 @@ class PromptTree:
         self.children: list[dict[int, int]] = [{}]
         self.best = [-1]  # most frequent child
         self.by_token: dict[int, list[int]] = {}
-        for _, tokens in self.responses:
-            self._add(tokens)
+        for tokens, times in Counter(tokens for _, tokens in self.responses).items():
+            self._add(tokens, times)  # a prompt's slots often hold the same response
 
     @property
     def nodes(self) -> int:
         return len(self.token) - 1
 
     def insert(self, tokens: Sequence[int]) -> None:
-        tokens = tuple(int(t) for t in tokens)
+        tokens = tuple(map(int, tokens))
         self.responses.append((self.round, tokens))
         self._add(tokens)
         self.version += 1
 
-    def _add(self, tokens: tuple[int, ...]) -> None:
+    def _add(self, tokens: tuple[int, ...], times: int = 1) -> None:
+        children, count, best = self.children, self.count, self.best
         node = ROOT
-        self.count[ROOT] += 1
+        count[ROOT] += times
         for t in tokens:
-            child = self.children[node].get(t)
+            child = children[node].get(t)
             if child is None:
                 child = len(self.token)
                 self.token.append(t)
                 self.parent.append(node)
-                self.count.append(0)
-                self.children.append({})
-                self.best.append(-1)
-                self.children[node][t] = child
+                count.append(0)
+                children.append({})
+                best.append(-1)
+                children[node][t] = child
                 self.by_token.setdefault(t, []).append(child)
-            self.count[child] += 1
-            best = self.best[node]
-            if best < 0 or (self.count[child], -child) > (self.count[best], -best):
-                self.best[node] = child
+            count[child] += times
+            b = best[node]
+            if b < 0 or count[child] > count[b] or (count[child] == count[b] and child < b):
+                best[node] = child
             node = child
 
     def next_round(self, window: int) -> int:

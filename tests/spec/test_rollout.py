@@ -5,7 +5,7 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-from specrl.config import SpecConfig
+from specrl.config import SpecConfig, TreeConfig
 from specrl.engines import SamplingParams, ScoreRequest
 from specrl.engines.hf import HFEngine
 from specrl.spec.rollout import RolloutStage, generate_rollouts
@@ -16,6 +16,7 @@ from tests.conftest import EOS, PAD, make_tiny_model
 PROMPTS = [Prompt(ids, Example(str(ids), "", "test")) for ids in [(3, 4, 5), (6, 7), (2, 8, 9, 10)]]
 SAMPLING = SamplingParams(1.0)
 R = 10
+NO_TREE = TreeConfig(enabled=False)  # SPEC-RL prefix reuse alone; tree drafts: test_tree.py
 
 
 def stage(engine, store=None, **spec):
@@ -23,7 +24,7 @@ def stage(engine, store=None, **spec):
         engine,
         SAMPLING,
         R,
-        SpecConfig(enabled=True, **spec),
+        SpecConfig(enabled=True, tree=NO_TREE, **spec),
         RolloutStore() if store is None else store,
     )
 
@@ -151,7 +152,7 @@ def test_exact_rule_matches_the_target_distribution_with_adversarial_drafts(acce
         target,
         SAMPLING,
         max_len,
-        SpecConfig(enabled=True, acceptance=acceptance, log_lenience=2.0),
+        SpecConfig(enabled=True, acceptance=acceptance, log_lenience=2.0, tree=NO_TREE),
         store,
     )
     metrics = {}
@@ -188,7 +189,7 @@ def test_specrl_behaviour_logprobs_are_what_responses_are_sampled_with():
     chunked_store.load_state_dict(store.state_dict())
     metrics = {}
     # ℓ = 1 and p_old = 1: α = p_new, never 1, so no acceptance probability saturates
-    full = SpecConfig(enabled=True, log_lenience=0.0)
+    full = SpecConfig(enabled=True, log_lenience=0.0, tree=NO_TREE)
     rollouts = RolloutStage(target, SAMPLING, max_len, full, store)(
         [prompt], n, ("spec",), 1, metrics
     )

@@ -187,7 +187,9 @@ def test_tree_drafts_speed_decoding_without_changing_rollouts(online):
 def test_spec_rl_plus_tree_equals_spec_rl_alone(engine):
     plain, with_tree = RolloutStore(), RolloutStore()
     runs = [
-        RolloutStage(engine, SAMPLING, 12, SpecConfig(enabled=True), plain),
+        RolloutStage(
+            engine, SAMPLING, 12, SpecConfig(enabled=True, tree=TreeConfig(enabled=False)), plain
+        ),
         tree_stage(engine, with_tree, spec=True),
     ]
     for step in range(3):
