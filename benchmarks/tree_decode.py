@@ -2,9 +2,9 @@
 
 The built-in policy rolls out the same prompts (32 × 8 slots, the quickstart's sampling) for
 several rounds, once per arm: vanilla, tree drafts with the adaptive width, and tree drafts with
-a fixed width K. Round 0 has only the online trees of finished sibling slots; later rounds also
-have the earlier rounds' responses. Every arm samples the same tokens (drafts never change them);
-only time and forwards differ. Writes OUT/tree_decode.json and OUT/tree_decode.png.
+a fixed width K, both with online trees. Round 0 has only the trees of finished sibling slots;
+later rounds also have the earlier rounds' responses. Every arm samples the same tokens (drafts
+never change them); only time and forwards differ. Writes OUT/tree_decode.json and OUT/tree_decode.png.
 
     python benchmarks/tree_decode.py --out benchmarks/cpu-hf-tree-decode
 """
@@ -44,9 +44,11 @@ def main() -> None:
     R, n = cfg.data.max_response_length, cfg.rollout.n
     arms = {
         "vanilla": SpecConfig(),
-        "tree (adaptive K)": SpecConfig(tree=TreeConfig(enabled=True)),
+        "tree (adaptive K)": SpecConfig(tree=TreeConfig(enabled=True, online=True)),
         f"tree (K = {args.fixed_k})": SpecConfig(
-            tree=TreeConfig(enabled=True, adaptive=False, max_draft_tokens=args.fixed_k)
+            tree=TreeConfig(
+                enabled=True, online=True, adaptive=False, max_draft_tokens=args.fixed_k
+            )
         ),
     }
     stages = {

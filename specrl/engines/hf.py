@@ -194,9 +194,10 @@ class HFEngine:
         for row, room, reject in zip(rows.tolist(), left.tolist(), rejected, strict=True):
             draft = []
             if reject is None and room > 1:
-                draft = drafting.source.propose(indices[row], results[row].token_ids, room - 1)
+                most = min(room - 1, drafting.width.max_tokens)
+                draft = drafting.source.propose(indices[row], results[row].token_ids, most)
                 stop = next((j for j, t in enumerate(draft) if t in self.eos_token_ids), None)
-                draft = draft[: room - 1] if stop is None else draft[: stop + 1]
+                draft = draft[:most] if stop is None else draft[: stop + 1]
             drafts.append(draft)
         k = drafting.width.choose([len(d) for d in drafts])
         return [d[:k] for d in drafts]

@@ -119,8 +119,10 @@ class RolloutStage:
         results = dict(zip(requests, generated, strict=True))
         gen_time = time.perf_counter() - gen_start
         if self.tree is not None and not self.spec.tree.online:
-            for i, r in results.items():
-                self.tree.insert(slots[i][0].prompt_id, [*requests[i].prefix_ids, *r.token_ids])
+            self.tree.insert_all(
+                (slots[i][0].prompt_id, [*requests[i].prefix_ids, *r.token_ids])
+                for i, r in results.items()
+            )
         if self.tree is not None:
             evicted += self.tree.evict()
 
@@ -228,16 +230,25 @@ class RolloutStage:
     ) -> tuple[Drafting | None, int]:
         """Start a round for every prompt of the batch (dropping responses outside the window),
         add the drafts reused whole (they are final already), and give the engine a draft source
-        over the trees. → (drafting or None, nodes freed)."""
+        over the trees: none when every tree the requests would draft from is empty and stays so
+        (prompts rolled out for the first time, without online trees). → (drafting or None,
+        nodes freed)."""
         if self.tree is None:
             return None, 0
         freed = sum(self.tree.begin(pid) for pid in dict.fromkeys(p.prompt_id for p, _ in slots))
-        for i, ((prompt, _), draft, check) in enumerate(zip(slots, drafts, verified, strict=True)):
-            if i not in requests:
-                self.tree.insert(prompt.prompt_id, draft.token_ids[: check.cut].tolist())
+        self.tree.insert_all(
+            (prompt.prompt_id, draft.token_ids[: check.cut].tolist())
+            for i, ((prompt, _), draft, check) in enumerate(
+                zip(slots, drafts, verified, strict=True)
+            )
+            if i not in requests
+        )
+        prompt_ids = [slots[i][0].prompt_id for i in requests]
+        if not self.spec.tree.online and all(self.tree.get(p).nodes == 0 for p in prompt_ids):
+            return None, freed
         source = TreeDrafts(
             self.tree,
-            [slots[i][0].prompt_id for i in requests],
+            prompt_ids,
             [r.prefix_ids for r in requests.values()],
             self.spec.tree.online,
         )

@@ -22,7 +22,7 @@ rolled-out prompts' trees whole.
 from __future__ import annotations
 
 from collections import Counter, OrderedDict
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import numpy as np
@@ -53,10 +53,11 @@ class PromptTree:
     def nodes(self) -> int:
         return len(self.token) - 1
 
-    def insert(self, tokens: Sequence[int]) -> None:
+    def insert(self, tokens: Sequence[int], times: int = 1) -> None:
+        """Add a response, `times` times (slots that hold the same response)."""
         tokens = tuple(map(int, tokens))
-        self.responses.append((self.round, tokens))
-        self._add(tokens)
+        self.responses.extend([(self.round, tokens)] * times)
+        self._add(tokens, times)
         self.version += 1
 
     def _add(self, tokens: tuple[int, ...], times: int = 1) -> None:
@@ -230,11 +231,16 @@ class TokenTree:
         self.nodes -= freed
         return freed
 
-    def insert(self, prompt_id: str, tokens: Sequence[int]) -> None:
+    def insert(self, prompt_id: str, tokens: Sequence[int], times: int = 1) -> None:
         tree = self._tree(prompt_id)
         before = tree.nodes
-        tree.insert(tokens)
+        tree.insert(tokens, times)
         self.nodes += tree.nodes - before
+
+    def insert_all(self, responses: Iterable[tuple[str, Sequence[int]]]) -> None:
+        """Add (prompt id, response) pairs, each distinct pair once with its multiplicity."""
+        for (prompt_id, tokens), times in Counter((p, tuple(t)) for p, t in responses).items():
+            self.insert(prompt_id, tokens, times)
 
     def cursor(self, prompt_id: str, tokens: Sequence[int] = ()) -> Cursor | None:
         tree = self._trees.get(prompt_id)
