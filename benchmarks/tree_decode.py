@@ -4,7 +4,8 @@ The built-in policy rolls out the same prompts (32 × 8 slots, the quickstart's 
 several rounds, once per arm: vanilla, tree drafts with the adaptive width, and tree drafts with
 a fixed width K, both with online trees. Round 0 has only the trees of finished sibling slots;
 later rounds also have the earlier rounds' responses. Every arm samples the same tokens (drafts
-never change them); only time and forwards differ. Writes OUT/tree_decode.json and OUT/tree_decode.png.
+never change them); only time and forwards differ. Writes OUT/tree_decode.json and
+OUT/tree_decode.png.
 
     python benchmarks/tree_decode.py --out benchmarks/cpu-hf-tree-decode
 """

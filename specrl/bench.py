@@ -1,7 +1,7 @@
 """`specrl bench`: vanilla and speculative training, same config, seed and data, one process.
 
 Arms: vanilla, spec (speculative rollouts as configured: SPEC-RL prefix reuse, with token-tree
-drafts for the decoded tail where `rollout.spec.tree.enabled` says so, by default on the
+drafts for the decoded tokens where `rollout.spec.tree.enabled` says so, by default on the
 transformers engine), tree (token-tree drafts only) and spec+tree (both, whatever the config);
 the default is vanilla and spec, `--arms` picks others. `--seeds 1,2,3` trains every arm once per
 seed: one run's final accuracy on a small held-out set moves by a few points from seed to seed.

@@ -71,7 +71,7 @@ def test_rollout_is_auto_weighs_sequences_only_under_the_lenient_rule(overrides,
     ("overrides", "engine_drafts", "uses"),
     [
         ([], True, False),  # vanilla decodes plainly
-        (["rollout.spec.enabled=true"], True, True),  # the tail after the cuts: tree drafts
+        (["rollout.spec.enabled=true"], True, True),  # tokens decoded after the cuts
         (["rollout.spec.enabled=true"], False, False),  # an engine that decodes without (vllm)
         (["rollout.spec.enabled=true", "rollout.spec.tree.enabled=false"], True, False),
         (["rollout.spec.tree.enabled=true"], True, True),  # tree drafts alone

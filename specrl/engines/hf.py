@@ -190,11 +190,11 @@ class HFEngine:
         if not drafting.width.worthwhile(len(rows)):
             drafting.width.choose([])
             return [[] for _ in range(len(rows))]
-        drafts = []
+        drafts, cap = [], drafting.width.max_tokens  # no forward verifies more than K
         for row, room, reject in zip(rows.tolist(), left.tolist(), rejected, strict=True):
             draft = []
             if reject is None and room > 1:
-                most = min(room - 1, drafting.width.max_tokens)
+                most = min(room - 1, cap)
                 draft = drafting.source.propose(indices[row], results[row].token_ids, most)
                 stop = next((j for j, t in enumerate(draft) if t in self.eos_token_ids), None)
                 draft = draft[:most] if stop is None else draft[: stop + 1]
