@@ -30,6 +30,8 @@ class StoredRollout:
 class RolloutStore:
     def __init__(self) -> None:
         self._entries: dict[tuple[str, int], StoredRollout] = {}
+        self.num_tokens = 0  # tokens held, kept up to date by every change
+        self.nbytes = 0  # bytes held by token and logprob arrays
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -46,21 +48,21 @@ class RolloutStore:
         finish_reason: FinishReason,
         policy_step: int,
     ) -> None:
-        self._entries[(prompt_id, slot)] = StoredRollout(
+        entry = StoredRollout(
             np.asarray(token_ids, dtype=np.int32),
             np.asarray(logprobs, dtype=np.float32),
             finish_reason,
             policy_step,
         )
+        old = self._entries.get((prompt_id, slot))
+        if old is not None:
+            self._count(old, -1)
+        self._entries[(prompt_id, slot)] = entry
+        self._count(entry, 1)
 
-    @property
-    def num_tokens(self) -> int:
-        return sum(len(e) for e in self._entries.values())
-
-    @property
-    def nbytes(self) -> int:
-        """Bytes held by token and logprob arrays."""
-        return sum(e.token_ids.nbytes + e.logprobs.nbytes for e in self._entries.values())
+    def _count(self, entry: StoredRollout, sign: int) -> None:
+        self.num_tokens += sign * len(entry)
+        self.nbytes += sign * (entry.token_ids.nbytes + entry.logprobs.nbytes)
 
     def state_dict(self) -> dict[str, Any]:
         keys = list(self._entries)
@@ -91,3 +93,6 @@ class RolloutStore:
             )
             for i, (pid, slot) in enumerate(zip(state["prompt_ids"], state["slots"], strict=True))
         }
+        self.num_tokens = self.nbytes = 0
+        for entry in self._entries.values():
+            self._count(entry, 1)

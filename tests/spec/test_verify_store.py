@@ -41,11 +41,14 @@ def test_store_is_compact_and_round_trips():
     store = RolloutStore()
     store.put("abc", 0, [1, 2, 3], [-0.1, -0.2, -0.3], "stop", 4)
     store.put("abc", 1, [5], [-1.0], "length", 4)
-    store.put("def", 0, [], [], "stop", 3)
+    store.put("def", 0, [7, 8], [-0.5, -0.5], "stop", 2)
+    store.put("def", 0, [], [], "stop", 3)  # replaces the entry of the same (prompt, slot)
+    assert store.num_tokens == 4
     assert store.nbytes / store.num_tokens == 8  # int32 token + float32 logprob, no padding
     restored = RolloutStore()
     restored.load_state_dict(store.state_dict())
     assert len(restored) == 3
+    assert (restored.num_tokens, restored.nbytes) == (store.num_tokens, store.nbytes)
     entry = restored.get("abc", 0)
     assert (
         entry.token_ids.tolist() == [1, 2, 3]
