@@ -451,6 +451,15 @@ class _GrowingLayer(DynamicLayer):
     views: tuple[torch.Tensor, torch.Tensor] | None = None  # what keys and values were set to
     start = 0  # buffer column of the first key
 
+    @classmethod
+    def of(cls, keys: torch.Tensor, values: torch.Tensor, length: int) -> _GrowingLayer:
+        """A layer over buffers [B, H, T, D] whose first `length` columns hold the KV."""
+        layer = cls()
+        layer.lazy_initialization(keys, values)
+        layer.buffers = (keys, values)
+        layer._view(length)
+        return layer
+
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs
     ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -539,25 +548,23 @@ def _group_by_batch(hits: dict[int, tuple[int, int]]) -> dict[int, list[int]]:
 
 def _merge(
     parts: list[tuple[list[int], list[torch.Tensor], torch.Tensor]],
-) -> tuple[DynamicCache, torch.Tensor]:
-    """One left-padded cache from row groups of different widths, rows in their original order."""
+) -> tuple[DecodeCache, torch.Tensor]:
+    """One left-padded cache from row groups of different widths, rows in their original order:
+    each group's KV is written once, straight into the decode cache's buffers."""
     width = max(mask.shape[1] for _, _, mask in parts)
-    order = torch.tensor([i for rows, _, _ in parts for i in rows]).argsort()
-    masks = torch.cat(
-        [torch.nn.functional.pad(mask, (width - mask.shape[1], 0)) for _, _, mask in parts]
-    )
+    batch = sum(len(rows) for rows, _, _ in parts)
+    ref = next(kv for _, kv, _ in parts if kv)
+    masks = ref[0].new_zeros(batch, width, dtype=torch.long)
+    buffers = [  # zeros: the padding columns are masked, but a masked NaN would still poison
+        t.new_zeros(batch, t.shape[1], width + _GrowingLayer.spare_columns, t.shape[3]) for t in ref
+    ]
+    for rows, kv, mask in parts:
+        index = torch.tensor(rows, device=masks.device)
+        start = width - mask.shape[1]
+        masks[index, start:] = mask
+        for buffer, t in zip(buffers, kv, strict=False):  # no KV: rows with nothing to prefill
+            buffer[index, :, start:width] = t
     cache = DecodeCache()
-    layers = max(len(kv) for _, kv, _ in parts) // 2
-    for layer in range(layers):
-        keys, values = [], []
-        for rows, kv, _ in parts:
-            if kv:
-                k, v = kv[2 * layer], kv[2 * layer + 1]
-            else:  # a group with nothing to prefill: empty KV of the right shape
-                ref = next(kv for _, kv, _ in parts if kv)[2 * layer]
-                k = v = ref.new_zeros(len(rows), ref.shape[1], 0, ref.shape[3])
-            pad = (0, 0, width - k.shape[2], 0)
-            keys.append(torch.nn.functional.pad(k, pad))
-            values.append(torch.nn.functional.pad(v, pad))
-        cache.update(torch.cat(keys)[order], torch.cat(values)[order], layer)
-    return cache, masks[order]
+    for layer in range(len(buffers) // 2):
+        cache.layers.append(_GrowingLayer.of(buffers[2 * layer], buffers[2 * layer + 1], width))
+    return cache, masks
