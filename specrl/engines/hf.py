@@ -238,7 +238,7 @@ class HFEngine:
             ids, attention = _left_pad([heads[i] for i in compute], self.pad_token_id, self.device)
             cache = DynamicCache()
             positions = (attention.cumsum(-1) - 1).clamp(min=0)
-            self._forward(ids, attention, positions, cache, last_only=True)
+            self._forward(ids, attention, positions, cache, keep=1)
             parts.append((compute, _layers_kv(cache), attention))
         if empty:  # single-token contexts: nothing to prefill
             parts.append(
@@ -275,11 +275,12 @@ class HFEngine:
         ids, attention = _left_pad(sequences, self.pad_token_id, self.device)  # [B, T]
         positions = (attention.cumsum(-1) - 1).clamp(min=0)
         cache = DynamicCache()
-        logits = self._forward(ids, attention, positions, cache)  # [B, T, V]
-        self._prefix_cache.add(sequences, _layers_kv(cache), attention)
-        # Targets are right-aligned: the logits at column t predict the token at column t + 1.
+        # Targets are right-aligned: the logits at column t predict the token at column t + 1, so
+        # only the last n + 1 columns need logits (the prompts' columns only need their KV).
         n = max(len(r.target_ids) for r in requests)
-        predicting = logits[:, -n - 1 : -1]  # [B, n, V]
+        logits = self._forward(ids, attention, positions, cache, keep=n + 1)  # [B, n + 1, V]
+        self._prefix_cache.add(sequences, _layers_kv(cache), attention)
+        predicting = logits[:, :-1]  # [B, n, V]
         sampling = RowSampling.of([r.sampling for r in requests], self.device).repeat(n)
         logprobs = sampling_logprobs(predicting.reshape(-1, logits.shape[-1]), sampling)
         logprobs = logprobs.gather(1, ids[:, -n:].reshape(-1, 1)).view(len(requests), n)  # [B, n]
@@ -305,15 +306,16 @@ class HFEngine:
         attention: torch.Tensor,
         positions: torch.Tensor,
         cache: DynamicCache | None,
-        last_only: bool = False,
+        keep: int = 0,
     ) -> torch.Tensor:
+        """Logits [B, T, V] of the last `keep` columns (0: all of them)."""
         return self.model(
             input_ids=ids,
             attention_mask=attention,
             position_ids=positions,
             past_key_values=cache,
             use_cache=cache is not None,
-            logits_to_keep=1 if last_only else 0,
+            logits_to_keep=keep,
         ).logits
 
 
