@@ -185,6 +185,36 @@ def test_decoding_after_score_reuses_the_scored_prefix(tiny_model):
         assert torch.allclose(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-5)
 
 
+def test_first_token_after_a_cut_is_sampled_from_the_scoring_pass(tiny_model):
+    """The distribution at the cut was computed by scoring: a continuation's first token needs no
+    forward, and it is the token a cold engine samples there (with the same uniform, from the
+    residual when a draft token was rejected); so is the token after a whole scored sequence."""
+    sampling = SamplingParams(1.0)
+    draft = [5, 6, 7, 8, 9]
+    requests = [
+        GenRequest(PROMPTS[0], 1, sampling, seed=s, prefix_ids=draft[:k])
+        for s, k in [(1, 0), (2, 3), (3, 5)]
+    ]
+    requests += [
+        GenRequest(PROMPTS[0], 1, sampling, seed=s, prefix_ids=draft[:2], reject_token=draft[2])
+        for s in range(4, 40)
+    ]
+    cold = HFEngine(tiny_model, [EOS], PAD).generate(requests)
+
+    warm = HFEngine(tiny_model, [EOS], PAD)
+    warm.score([ScoreRequest(PROMPTS[0], draft, sampling)])
+    passes = []
+    hook = tiny_model.model.register_forward_hook(lambda *args: passes.append(1))
+    hot = warm.generate(requests)
+    hook.remove()
+    assert passes == []
+    for a, b in zip(cold, hot, strict=True):
+        assert a.token_ids == b.token_ids and a.finish_reason == b.finish_reason
+        assert a.logprobs == pytest.approx(b.logprobs, abs=1e-5)
+    assert all(r.token_ids != [draft[2]] for r in hot[3:])
+    assert len({r.token_ids[0] for r in hot[3:]}) > 1
+
+
 def test_load_weights_copies_new_weights_including_tied_ones():
     model = make_tiny_model(seed=0)
     model.config.tie_word_embeddings = True

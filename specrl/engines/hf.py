@@ -1,15 +1,18 @@
 """Transformers rollout engine: our own decode loop over any local Hugging Face causal LM.
 
 The loop is ours (not `model.generate()`) so that forced prefixes, per-request budgets, seeds and
-multi-token verification of draft tokens (speculative decoding) are under our control. Batches are left-padded; every sequence
-keeps its own position ids, so padding never changes a result. A sequence that finishes leaves
-the batch and its rows leave the KV cache: it costs nothing afterwards.
+multi-token verification of draft tokens (speculative decoding) are under our control. Batches
+are left-padded; every sequence keeps its own position ids, so padding never changes a result. A
+sequence that finishes leaves the batch and its rows leave the KV cache: it costs nothing
+afterwards. Decoding that continues a sequence just scored (a speculative rollout after its cut)
+takes the KV of its context, and the distribution of its first new token, from the scoring pass.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Mapping, Sequence
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -20,6 +23,7 @@ from specrl.engines.base import (
     FinishReason,
     GenRequest,
     GenResult,
+    SamplingParams,
     ScoreRequest,
     distinct_requests,
 )
@@ -90,6 +94,10 @@ class HFEngine:
         feeds every sequence's last token followed by up to K draft tokens; see `_accepted`."""
         requests = [all_requests[i] for i in indices]
         results = [GenResult([], [], "length") for _ in requests]
+        requests = self._first_tokens(requests, results)
+        for i, request in enumerate(requests):  # finished by their first token
+            if drafting is not None and request.max_new_tokens == 0 and results[i].token_ids:
+                drafting.source.finished(indices[i], results[i].token_ids)
         live = [i for i, r in enumerate(requests) if r.max_new_tokens > 0]
         if not live:
             return results
@@ -173,6 +181,50 @@ class HFEngine:
             rejected = [None] * len(rows)
             if width and attention.shape[1] > 2 * int(attention.sum(1).max()) + 32:
                 attention = cache.compact(attention)
+
+    def _first_tokens(
+        self, requests: list[GenRequest], results: list[GenResult]
+    ) -> list[GenRequest]:
+        """Sample the first new token of every request that continues a sequence just scored
+        from the distribution scoring kept (`PrefixCache.next_token`), with the uniform and the
+        residual decoding would use, into `results`: → the requests, those one token further
+        (no budget left once it ends the sequence)."""
+        found: dict[int, torch.Tensor] = {}  # request → distribution of its first token
+        for i, r in enumerate(requests):
+            if r.max_new_tokens > 0:
+                context = [*r.prompt_ids, *r.prefix_ids]
+                distribution = self._prefix_cache.next_token(context, r.sampling)
+                if distribution is not None:
+                    found[i] = distribution
+        if not found:
+            return requests
+        logprobs = torch.stack(list(found.values()))  # [R, V]
+        seeds = torch.tensor([requests[i].seed for i in found], device=self.device)
+        positions = torch.tensor(
+            [len(requests[i].prompt_ids) + len(requests[i].prefix_ids) for i in found],
+            device=self.device,
+        )
+        rejected = [requests[i].reject_token for i in found]
+        tokens = sample_from_logprobs(
+            _residual(logprobs, rejected), seeded_uniform(seeds, positions)
+        )
+        chosen = logprobs.gather(1, tokens[:, None]).squeeze(1)
+        requests = list(requests)
+        for i, token, logprob in zip(found, tokens.tolist(), chosen.tolist(), strict=True):
+            r = requests[i]
+            results[i].token_ids.append(token)
+            results[i].logprobs.append(logprob)
+            if token in self.eos_token_ids:
+                results[i].finish_reason = "stop"
+                requests[i] = replace(r, max_new_tokens=0)
+            else:
+                requests[i] = replace(
+                    r,
+                    max_new_tokens=r.max_new_tokens - 1,
+                    prefix_ids=[*r.prefix_ids, token],
+                    reject_token=None,
+                )
+        return requests
 
     def _drafts(
         self,
@@ -276,14 +328,17 @@ class HFEngine:
         positions = (attention.cumsum(-1) - 1).clamp(min=0)
         cache = DynamicCache()
         # Targets are right-aligned: the logits at column t predict the token at column t + 1, so
-        # only the last n + 1 columns need logits (the prompts' columns only need their KV).
+        # only the last n + 1 columns need logits (the prompts' columns only need their KV); the
+        # last one predicts the token after the sequence.
         n = max(len(r.target_ids) for r in requests)
         logits = self._forward(ids, attention, positions, cache, keep=n + 1)  # [B, n + 1, V]
-        self._prefix_cache.add(sequences, _layers_kv(cache), attention)
-        predicting = logits[:, :-1]  # [B, n, V]
-        sampling = RowSampling.of([r.sampling for r in requests], self.device).repeat(n)
-        logprobs = sampling_logprobs(predicting.reshape(-1, logits.shape[-1]), sampling)
-        logprobs = logprobs.gather(1, ids[:, -n:].reshape(-1, 1)).view(len(requests), n)  # [B, n]
+        sampling = RowSampling.of([r.sampling for r in requests], self.device).repeat(n + 1)
+        distributions = sampling_logprobs(logits.reshape(-1, logits.shape[-1]), sampling)
+        distributions = distributions.view(len(requests), n + 1, -1)  # [B, n + 1, V]
+        kv = _layers_kv(cache)
+        kept = distributions if _nbytes([distributions]) <= _nbytes(kv) else None
+        self._prefix_cache.add(sequences, kv, attention, kept, [r.sampling for r in requests])
+        logprobs = distributions[:, :-1].gather(2, ids[:, -n:, None]).squeeze(2)  # [B, n]
         return [
             row[n - len(r.target_ids) :].cpu() for row, r in zip(logprobs, requests, strict=True)
         ]
@@ -388,28 +443,57 @@ def _left_pad(
 
 class PrefixCache:
     """KV of the sequences the last `score` call computed, so decoding that continues a scored
-    sequence (prompt + draft[:k]) does not compute its prefix again. Valid until the next
-    `score` or `load_weights`."""
+    sequence (prompt + draft[:k]) does not compute its prefix again, and the sampling
+    distributions of their last n + 1 positions, so that its first new token needs no forward
+    either (kept when they take no more memory than the KV: small vocabularies). Valid until the
+    next `score` or `load_weights`."""
 
     def __init__(self) -> None:
         self.batches: list[tuple[list[torch.Tensor], torch.Tensor]] = []  # per-layer KV, mask
+        self.distributions: list[tuple[torch.Tensor, Sequence[SamplingParams]] | None] = []
         self._rows: dict[int, list[tuple[int, int, tuple[int, ...]]]] = {}  # by first token
 
     def add(
-        self, sequences: list[list[int]], kv: list[torch.Tensor], attention: torch.Tensor
+        self,
+        sequences: list[list[int]],
+        kv: list[torch.Tensor],
+        attention: torch.Tensor,
+        distributions: torch.Tensor | None = None,
+        sampling: Sequence[SamplingParams] = (),
     ) -> None:
+        """`distributions` [B, n + 1, V]: column j is the sampling distribution (logprobs) of
+        the token at column W - n + j of the right-aligned sequences (width W), j = n the one
+        after them; `sampling`: each row's params."""
         batch = len(self.batches)
         self.batches.append((kv, attention))
+        self.distributions.append(None if distributions is None else (distributions, sampling))
         for row, seq in enumerate(sequences):
             self._rows.setdefault(seq[0], []).append((batch, row, tuple(seq)))
 
+    def next_token(self, context: list[int], sampling: SamplingParams) -> torch.Tensor | None:
+        """The sampling distribution [V] of the token after `context`, if a scored sequence
+        starts with it and its distribution there was kept."""
+        hit = self._lookup(context)
+        if hit is None or self.distributions[hit[0]] is None:
+            return None
+        batch, row, seq = hit
+        distributions, params = self.distributions[batch]
+        column = distributions.shape[1] - 1 - len(seq) + len(context)
+        if column < 0 or params[row] != sampling:
+            return None
+        return distributions[row, column]
+
     def find(self, head: list[int]) -> tuple[int, int] | None:
         """(batch, row) of a cached sequence that starts with `head`, if any."""
+        hit = self._lookup(head)
+        return None if hit is None else hit[:2]
+
+    def _lookup(self, head: list[int]) -> tuple[int, int, tuple[int, ...]] | None:
         if not head:
             return None
         for batch, row, seq in self._rows.get(head[0], ()):
             if len(seq) >= len(head) and list(seq[: len(head)]) == head:
-                return batch, row
+                return batch, row, seq
         return None
 
 
@@ -534,6 +618,10 @@ def _grown(cached: torch.Tensor, new: torch.Tensor, spare: int) -> torch.Tensor:
     if start:
         buffer[:, :, :start] = cached
     return buffer
+
+
+def _nbytes(tensors: list[torch.Tensor]) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
 
 
 def _layers_kv(cache: DynamicCache) -> list[torch.Tensor]:
