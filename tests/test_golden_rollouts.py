@@ -7,9 +7,12 @@ explain it in the commit that updates it."""
 import hashlib
 
 import pytest
+import torch
+from transformers import Qwen2Config, Qwen2ForCausalLM
 
+from specrl.toy_policy import build_tokenizer
 from specrl.trainer import Trainer
-from tests.conftest import small_config
+from tests.conftest import read_metrics, small_config
 
 ARMS = {
     "vanilla": ["rollout.spec.enabled=false", "rollout.spec.tree.enabled=false"],
@@ -20,13 +23,37 @@ ARMS = {
     "lenient+tree": ["rollout.spec.enabled=true", "rollout.spec.acceptance=specrl",
                      "rollout.spec.tree.enabled=true", "rollout.spec.tree.adaptive=false",
                      "rollout.spec.tree.online=true"],
+    "exact+tree": ["rollout.spec.enabled=true", "rollout.spec.acceptance=exact",
+                   "rollout.spec.tree.enabled=true", "rollout.spec.tree.adaptive=false"],
 }  # fmt: skip
 GOLDEN = {
-    "vanilla": "f819a39499b94674-edd19a04a4339424-198998b500f2dd4d-10dab3003ab940fe",
-    "lenient": "f819a39499b94674-edd19a04a4339424-ab179627960d04fd-82a582765c498215",
-    "exact": "f819a39499b94674-edd19a04a4339424-41120fcb4022da24-3bcb124a7d4c9a1e",
-    "lenient+tree": "f819a39499b94674-edd19a04a4339424-ab179627960d04fd-82a582765c498215",
+    "vanilla": "a62e9b75d598c860-3d00d30aac8c9967-3393454309e318bf-e1e781a505a3c43e",
+    "lenient": "a62e9b75d598c860-3d00d30aac8c9967-6fd1a136dc6c73c3-33cb6e0622200667",
+    "exact": "a62e9b75d598c860-3d00d30aac8c9967-188b38add7fbe358-f1942f44abfec254",
+    "lenient+tree": "a62e9b75d598c860-9fd2b7fa5669e908-d4beb8e2f80c7df1-2ced77796d6b8da8",
+    "exact+tree": "a62e9b75d598c860-3d00d30aac8c9967-94925c571404aa85-38b4b8a9b50fc557",
 }
+
+
+@pytest.fixture(scope="module")
+def peaked_policy_dir(tmp_path_factory):
+    """A random tiny Qwen2 over the built-in tokenizer with peaked logits (initializer range
+    0.5), so that some draft tokens are accepted and some rejected under both rules."""
+    path = tmp_path_factory.mktemp("peaked-policy")
+    tokenizer = build_tokenizer()
+    torch.manual_seed(0)
+    model = Qwen2ForCausalLM(
+        Qwen2Config(
+            vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+            num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=128,
+            initializer_range=0.5, eos_token_id=tokenizer.eos_token_id,
+            pad_token_id=tokenizer.pad_token_id,
+        )
+    )  # fmt: skip
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
 
 
 def rollout_digest(rollouts) -> str:
@@ -44,10 +71,19 @@ def rollout_digest(rollouts) -> str:
     return hashlib.blake2b(repr(rows).encode(), digest_size=8).hexdigest()
 
 
+REWARD = """
+def compute_score(data_source, solution_str, ground_truth, extra_info=None):
+    return solution_str.count("1") / 4  # a signal a random policy finds: its updates move it
+"""
+
+
 def run_digests(policy_dir, out_dir, overrides) -> list[str]:
+    reward = out_dir / "reward.py"
+    reward.parent.mkdir(parents=True, exist_ok=True)
+    reward.write_text(REWARD)
     # micro-batch = mini-batch (8 sequences): the loss does not depend on how a mini-batch is split
     cfg = small_config(
-        policy_dir, out_dir, "data.train_size=8", "trainer.total_training_steps=4",
+        policy_dir, out_dir, f"custom_reward_function.path={reward}", "data.train_size=8", "trainer.total_training_steps=4",
         "trainer.save_freq=0", "trainer.test_freq=0", "trainer.val_before_train=false",
         "actor.ppo_micro_batch_size=8", "actor.optim.lr=0.01", *overrides,
     )  # fmt: skip
@@ -66,6 +102,11 @@ def run_digests(policy_dir, out_dir, overrides) -> list[str]:
 
 
 @pytest.mark.parametrize("arm", list(ARMS))
-def test_rollouts_match_the_golden_hashes(tiny_policy_dir, tmp_path, arm):
-    digests = run_digests(tiny_policy_dir, tmp_path, ARMS[arm])
+def test_rollouts_match_the_golden_hashes(peaked_policy_dir, tmp_path, arm):
+    digests = run_digests(peaked_policy_dir, tmp_path, ARMS[arm])
+    later = read_metrics(tmp_path)[2:]  # epoch 2: drafts partly accepted, tree drafts tried
+    if arm != "vanilla":
+        assert all(m["spec/reused_tokens"] > 0 and m["spec/decoded_tokens"] > 0 for m in later)
+    if "tree" in arm:
+        assert sum(m["spec/tree/accepted_tokens"] for m in later) > 0
     assert "-".join(digests) == GOLDEN[arm]
