@@ -23,8 +23,7 @@ import transformers
 
 from specrl.config import SpecConfig, TreeConfig, load_config
 from specrl.plots import plot_metrics
-from specrl.spec.rollout import RolloutStage
-from specrl.spec.store import RolloutStore
+from specrl.speculative.stage import SpeculativeStage
 from specrl.trainer import Trainer
 
 
@@ -44,26 +43,26 @@ def main() -> None:
     prompts = trainer.loader.prompts[: args.prompts]
     R, n = cfg.data.max_response_length, cfg.rollout.n
     arms = {
-        "vanilla": SpecConfig(),
-        "tree (adaptive K)": SpecConfig(tree=TreeConfig(enabled=True, online=True)),
+        "vanilla": SpecConfig(enabled=False, tree=TreeConfig(enabled=False)),
+        "tree (adaptive K)": SpecConfig(enabled=False, tree=TreeConfig(enabled=True, online=True)),
         f"tree (K = {args.fixed_k})": SpecConfig(
+            enabled=False,
             tree=TreeConfig(
                 enabled=True, online=True, adaptive=False, max_draft_tokens=args.fixed_k
-            )
+            ),
         ),
     }
     stages = {
-        name: RolloutStage(trainer.engine, trainer.sampling, R, spec, RolloutStore())
+        name: SpeculativeStage(trainer.engine, trainer.stage.sampling, R, spec)
         for name, spec in arms.items()
     }
     histories: dict[str, list[dict[str, float]]] = {name: [] for name in arms}
     tokens: dict[str, list] = {}
     for round_ in range(args.rounds):
         for name, stage in stages.items():  # interleaved: every arm sees the same machine state
-            metrics: dict[str, float] = {}
             start = time.perf_counter()
-            rollouts = stage(prompts, n, ("bench", round_), round_, metrics)
-            metrics["rollout_s"] = time.perf_counter() - start
+            rollouts, stats = stage(prompts, n, ("bench", round_), round_)
+            metrics = {**stats.metrics(), "rollout_s": time.perf_counter() - start}
             metrics["training/global_step"] = round_
             histories[name].append(metrics)
             tokens.setdefault(round_, []).append([r.token_ids for r in rollouts])

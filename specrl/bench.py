@@ -25,6 +25,7 @@ import transformers
 from specrl.config import Config
 from specrl.errors import UserError
 from specrl.plots import plot_metrics
+from specrl.speculative.stats import RolloutStats
 from specrl.trainer import Trainer
 
 ARMS = {  # arm → (SPEC-RL prefix reuse, token-tree drafts; None: as configured)
@@ -108,43 +109,39 @@ def summarize(
 ) -> dict[str, Any]:
     """The SPEC-RL comparison (spec against vanilla) at the top level when the spec arm ran, and
     every arm's speed and accuracy under `arms`. `runs` holds each arm's history per seed: times
-    and token counts are totals over all seeds, final accuracies the mean over seeds (each
-    seed's under `arms.<arm>.final_acc_per_seed`)."""
+    and token counts are totals over all seeds (summed `RolloutStats`), final accuracies the
+    mean over seeds (each seed's under `arms.<arm>.final_acc_per_seed`)."""
     steps = {arm: [m for h in hs for m in _train_steps(h)] for arm, hs in runs.items()}
+    totals = {arm: _stats(s) for arm, s in steps.items()}
     final = {arm: [_last(h, "val/acc/mean@1") for h in hs] for arm, hs in runs.items()}
-    rollout = {arm: _total(s, "timing_s/rollout") for arm, s in steps.items()}
+    step_time = {arm: _total(s, "timing_s/step") for arm, s in steps.items()}
     result: dict[str, Any] = {}
     if "spec" in steps:
-        result.update(_spec_rl(steps["vanilla"], steps["spec"]))
+        result.update(_spec_rl(steps["spec"], totals, step_time))
         result["final_acc_vanilla"] = _mean(final["vanilla"])
         result["final_acc_spec"] = _mean(final["spec"])
     result["arms"] = {}
-    for arm, arm_steps in steps.items():
+    for arm, total in totals.items():
         summary = {
-            "rollout_time_s": rollout[arm],
-            "step_time_s": _total(arm_steps, "timing_s/step"),
-            "rollout_speedup": rollout["vanilla"] / rollout[arm],
-            "step_speedup": _total(steps["vanilla"], "timing_s/step")
-            / _total(arm_steps, "timing_s/step"),
+            "rollout_time_s": total.rollout_s,
+            "step_time_s": step_time[arm],
+            "rollout_speedup": totals["vanilla"].rollout_s / total.rollout_s,
+            "step_speedup": step_time["vanilla"] / step_time[arm],
             "final_acc": _mean(final[arm]),
             "final_acc_per_seed": final[arm],
-            "decoded_tokens": _total(arm_steps, "spec/decoded_tokens"),
-            "reused_token_ratio": _reuse(arm_steps),
+            "decoded_tokens": total.decoded_tokens,
+            "reused_token_ratio": total.ratios()["spec/reused_token_ratio"],
         }
-        if "spec" in rollout and arm != "spec":
-            summary["rollout_speedup_vs_spec"] = rollout["spec"] / rollout[arm]
-        if _uses_tree(arm_steps):
-            forwards = _total(arm_steps, "spec/tree/forwards")
-            summary["mean_accepted_per_forward"] = summary["decoded_tokens"] / max(forwards, 1)
-            summary["tree_draft_tokens"] = _total(arm_steps, "spec/tree/draft_tokens")
-            summary["tree_accepted_tokens"] = _total(arm_steps, "spec/tree/accepted_tokens")
-            summary["tree_acceptance_rate"] = summary["tree_accepted_tokens"] / max(
-                summary["tree_draft_tokens"], 1
-            )
-            summary["tree_mean_width"] = _total(arm_steps, "spec/tree/width_sum") / max(
-                _total(arm_steps, "spec/tree/width_forwards"), 1
-            )
-            summary["tree_nodes_max"] = max(m.get("spec/tree/nodes", 0) for m in arm_steps)
+        if "spec" in totals and arm != "spec":
+            summary["rollout_speedup_vs_spec"] = totals["spec"].rollout_s / total.rollout_s
+        if total.tree:
+            ratios = total.ratios()
+            summary["mean_accepted_per_forward"] = ratios["spec/tree/mean_accepted_per_forward"]
+            summary["tree_draft_tokens"] = total.tree_draft_tokens
+            summary["tree_accepted_tokens"] = total.tree_accepted_tokens
+            summary["tree_acceptance_rate"] = ratios["spec/tree/acceptance_rate"]
+            summary["tree_mean_width"] = ratios["spec/tree/mean_width"]
+            summary["tree_nodes_max"] = max(m.get("spec/tree/nodes", 0) for m in steps[arm])
         result["arms"][arm] = summary
     result.update(
         steps=len(steps["vanilla"]) // len(seeds),
@@ -173,38 +170,35 @@ def _engine_description(name: str) -> str:
     return f"{name} ({libraries})"
 
 
-def _spec_rl(v_steps: list[dict[str, float]], s_steps: list[dict[str, float]]) -> dict[str, Any]:
-    v_rollout, s_rollout = _total(v_steps, "timing_s/rollout"), _total(s_steps, "timing_s/rollout")
+def _spec_rl(
+    s_steps: list[dict[str, float]],
+    totals: dict[str, RolloutStats],
+    step_time: dict[str, float],
+) -> dict[str, Any]:
+    vanilla, spec = totals["vanilla"], totals["spec"]
     # r: seconds per verified token (spec arm) over seconds per decoded token (vanilla arm)
-    verify_per_token = _total(s_steps, "timing_s/verify") / max(
-        _total(s_steps, "spec/verified_tokens"), 1
+    r = (spec.verify_s / max(spec.verified_tokens, 1)) / (
+        vanilla.gen_s / max(vanilla.decoded_tokens, 1)
     )
-    decode_per_token = _total(v_steps, "timing_s/gen") / max(
-        _total(v_steps, "spec/decoded_tokens"), 1
-    )
-    r = verify_per_token / decode_per_token
-    a = _reuse(s_steps)
-    later = [m for m in s_steps if m["training/epoch"] >= 1]
+    a = spec.ratios()["spec/reused_token_ratio"]
+    later = _stats([m for m in s_steps if m["training/epoch"] >= 1]).ratios()
     return {
-        "rollout_speedup": v_rollout / s_rollout,
-        "step_speedup": _total(v_steps, "timing_s/step") / _total(s_steps, "timing_s/step"),
-        "reused_token_ratio": _reuse(later) if later else 0.0,
+        "rollout_speedup": vanilla.rollout_s / spec.rollout_s,
+        "step_speedup": step_time["vanilla"] / step_time["spec"],
+        "reused_token_ratio": later["spec/reused_token_ratio"],
         "reused_token_ratio_all_steps": a,
-        "full_reuse_ratio": sum(m["spec/full_reuse_ratio"] for m in later) / max(len(later), 1),
-        "verified_token_ratio": _total(s_steps, "spec/verified_tokens")
-        / max(_total(s_steps, "spec/response_tokens"), 1),
+        "full_reuse_ratio": later["spec/full_reuse_ratio"],
+        "verified_token_ratio": spec.ratios()["spec/verified_token_ratio"],
         "verify_cost_ratio": r,
         "limit_speedup": 1.0 / ((1.0 - a) + r * a),
-        "rollout_time_s": {"vanilla": v_rollout, "spec": s_rollout},
-        "step_time_s": {
-            "vanilla": _total(v_steps, "timing_s/step"),
-            "spec": _total(s_steps, "timing_s/step"),
-        },
-        "decoded_tokens": {
-            "vanilla": _total(v_steps, "spec/decoded_tokens"),
-            "spec": _total(s_steps, "spec/decoded_tokens"),
-        },
+        "rollout_time_s": {"vanilla": vanilla.rollout_s, "spec": spec.rollout_s},
+        "step_time_s": {"vanilla": step_time["vanilla"], "spec": step_time["spec"]},
+        "decoded_tokens": {"vanilla": vanilla.decoded_tokens, "spec": spec.decoded_tokens},
     }
+
+
+def _stats(steps: list[dict[str, float]]) -> RolloutStats:
+    return RolloutStats.total(RolloutStats.from_metrics(m) for m in steps)
 
 
 def _uses_tree(steps: Iterable[dict[str, float]]) -> bool:
@@ -217,10 +211,6 @@ def _train_steps(history: list[dict[str, float]]) -> list[dict[str, float]]:
 
 def _total(steps: list[dict[str, float]], key: str) -> float:
     return float(sum(m.get(key, 0.0) for m in steps))
-
-
-def _reuse(steps: list[dict[str, float]]) -> float:
-    return _total(steps, "spec/reused_tokens") / max(_total(steps, "spec/response_tokens"), 1)
 
 
 def _mean(values: Sequence[float | None]) -> float | None:

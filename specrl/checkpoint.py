@@ -1,8 +1,10 @@
 """Checkpoints: everything a resume needs, written atomically.
 
 Layout: RUN_DIR/checkpoints/global_step_{s}/ with the policy and tokenizer (save_pretrained) and
-trainer_state.pt (optimizer, scheduler, RNG states, loader position, step, rollout store, token
-trees and draft-width statistics). The directory is written under a temporary name, fsynced and
+trainer_state.pt: the step, the RNG states and the `state_dict()` of every object handed in by
+name (the trainer hands its actor: optimizer and schedule; its loader: the position in the data;
+its speculative stage: drafts, token trees and draft-width statistics). Each object knows its own
+state; this module only writes and reads it. The directory is written under a temporary name, fsynced and
 renamed, so a process killed mid-save leaves the previous checkpoints intact and no half
 checkpoint under a final name.
 """
@@ -13,16 +15,15 @@ import os
 import random
 import re
 import shutil
+from collections.abc import Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import numpy as np
 import torch
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from specrl.errors import UserError
-
-if TYPE_CHECKING:
-    from specrl.trainer import Trainer
 
 STATE_FILE = "trainer_state.pt"
 _STEP_DIR = re.compile(r"global_step_(\d+)")
@@ -32,27 +33,36 @@ class CheckpointError(UserError):
     """A checkpoint to resume from is missing or unreadable."""
 
 
-def save_checkpoint(trainer: Trainer) -> Path:
-    root = trainer.run_dir / "checkpoints"
-    final = root / f"global_step_{trainer.global_step}"
+class Stateful(Protocol):
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
+
+
+def save_checkpoint(
+    run_dir: Path,
+    step: int,
+    policy: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    parts: Mapping[str, Stateful],
+    keep: int | None = None,
+) -> Path:
+    """Write checkpoint `step` of the run (then keep only the newest `keep`): → its directory."""
+    root = run_dir / "checkpoints"
+    final = root / f"global_step_{step}"
     staging = final.with_name(final.name + ".tmp")
     shutil.rmtree(staging, ignore_errors=True)
     staging.mkdir(parents=True)
-    trainer.policy.save_pretrained(staging)
-    trainer.tokenizer.save_pretrained(staging)
+    policy.save_pretrained(staging)
+    tokenizer.save_pretrained(staging)
     state = {
-        "global_step": trainer.global_step,
-        "optimizer": trainer.optimizer.state_dict(),
-        "scheduler": trainer.scheduler.state_dict(),
-        "loader": trainer.loader.state_dict(),
-        "rollout_store": trainer.store.state_dict(),
-        "token_tree": None if trainer.rollout.tree is None else trainer.rollout.tree.state_dict(),
-        "draft_width": trainer.rollout.draft_width.state_dict(),
+        "global_step": step,
         "rng": {
             "python": random.getstate(),
             "numpy": np.random.get_state(),
             "torch": torch.get_rng_state(),
         },
+        **{name: part.state_dict() for name, part in parts.items()},
     }
     torch.save(state, staging / STATE_FILE)
     for file in staging.iterdir():
@@ -60,7 +70,7 @@ def save_checkpoint(trainer: Trainer) -> Path:
     shutil.rmtree(final, ignore_errors=True)
     os.replace(staging, final)
     _fsync(root)
-    _prune(root, trainer.cfg.trainer.max_ckpt_to_keep)
+    _prune(root, keep)
     return final
 
 
@@ -94,19 +104,20 @@ def load_trainer_state(path: Path) -> dict[str, Any]:
         ) from None
 
 
-def restore(trainer: Trainer, state: dict[str, Any]) -> None:
-    trainer.global_step = state["global_step"]
-    trainer.optimizer.load_state_dict(state["optimizer"])
-    trainer.scheduler.load_state_dict(state["scheduler"])
-    trainer.loader.load_state_dict(state["loader"])
-    trainer.store.load_state_dict(state["rollout_store"])
-    if trainer.rollout.tree is not None and state.get("token_tree") is not None:
-        trainer.rollout.tree.load_state_dict(state["token_tree"])
-    if "draft_width" in state:
-        trainer.rollout.draft_width.load_state_dict(state["draft_width"])
+def restore(path: Path, state: dict[str, Any], parts: Mapping[str, Stateful]) -> int:
+    """Load every part's state and the RNG states from a checkpoint's state: → its step."""
+    missing = [name for name in parts if name not in state]
+    if missing:
+        raise CheckpointError(
+            f"checkpoint {path} has no state for {', '.join(missing)} (written by an older "
+            "specrl?); set trainer.resume_mode=disable to start over"
+        )
+    for name, part in parts.items():
+        part.load_state_dict(state[name])
     random.setstate(state["rng"]["python"])
     np.random.set_state(state["rng"]["numpy"])
     torch.set_rng_state(state["rng"]["torch"])
+    return state["global_step"]
 
 
 def _checkpoints(root: Path) -> list[Path]:

@@ -13,7 +13,14 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from specrl.errors import UserError
 
@@ -56,6 +63,12 @@ class DataConfig(Section):
     val_batch_size: int = Field(256, ge=1, description="prompts per evaluation batch")
     shuffle: bool = Field(True, description="reshuffle the training prompts every epoch")
 
+    @field_validator("train_files", "val_files", mode="before")
+    @classmethod
+    def _one_path_is_a_list(cls, value: Any) -> Any:
+        """A single path is accepted for a list of one (as verl does)."""
+        return [value] if isinstance(value, str) else value
+
 
 class ModelConfig(Section):
     path: str | None = Field(
@@ -95,11 +108,12 @@ class TreeConfig(Section):
 
 class SpecConfig(Section):
     enabled: bool = Field(
-        False, description="speculative rollouts: reuse last epoch's response as a draft"
+        True, description="speculative rollouts: reuse last epoch's response as a draft"
     )
     acceptance: Literal["specrl", "exact"] = Field(
-        "specrl",
-        description="specrl: lenient min(1, l*p_new/p_old); exact: distribution-exact point-mass rule",
+        "exact",
+        description="exact: distribution-exact point-mass rule (rollouts distributed as vanilla's); "
+        "specrl: SPEC-RL's lenient min(1, l*p_new/p_old)",
     )
     log_lenience: float = Field(
         0.5,
@@ -170,6 +184,11 @@ class ActorConfig(Section):
 
 class FilterGroupsConfig(Section):
     enable: bool = Field(False, description="DAPO dynamic sampling: drop groups with equal scores")
+    metric: Literal["acc", "score"] = Field(
+        "acc",
+        description="what must differ within a group: acc, the reward function's score; score, "
+        "after the overlong penalty (DAPO filters on acc)",
+    )
     max_num_gen_batches: int = Field(
         4, ge=1, description="most rollout batches per step while refilling dropped groups"
     )

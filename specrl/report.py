@@ -10,6 +10,7 @@ from rich.table import Table
 
 from specrl.errors import UserError
 from specrl.plots import plot_metrics
+from specrl.speculative.stats import RolloutStats
 
 REPORT_PANELS = [
     ("critic/score/mean", "reward (critic/score/mean)"),
@@ -51,7 +52,11 @@ def report(run_dir: Path, console: Console | None = None) -> Path:
         "response_length/mean, last step": _fmt(
             steps[-1].get("response_length/mean") if steps else None
         ),
-        "spec/reused_token_ratio, mean": _fmt(_mean(steps, "spec/reused_token_ratio")),
+        "spec/reused_token_ratio, whole run": _fmt(
+            RolloutStats.total(map(RolloutStats.from_metrics, steps)).ratios()[
+                "spec/reused_token_ratio"
+            ]
+        ),
         "rollout time per step (s), mean": _fmt(_mean(steps, "timing_s/rollout")),
         "step time (s), mean": _fmt(_mean(steps, "timing_s/step")),
         "reward errors, total": _fmt(sum(m.get("reward/errors", 0) for m in steps)),

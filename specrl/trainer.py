@@ -1,171 +1,40 @@
 """The training loop, top to bottom as in DESIGN.md: rollout → rewards → advantages → update →
-(sync) → log. Everything speculative happens inside the rollout stage."""
+sync → log. Everything speculative happens inside the rollout stage; the policy and its update
+live in actor/."""
 
 from __future__ import annotations
 
-import copy
 import gc
 import random
 import time
-from collections import defaultdict
-from contextlib import contextmanager
-from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
 import torch
-from transformers import (
-    AutoModelForCausalLM,
-    AutoTokenizer,
-    PreTrainedModel,
-    PreTrainedTokenizerBase,
-)
 
+from specrl.actor.batch import TrainBatch
+from specrl.actor.policy import eos_token_ids, load_policy, reference_policy
+from specrl.actor.update import Actor
 from specrl.algorithms.advantages import compute_advantages
-from specrl.algorithms.dapo import groups_with_signal, overlong_penalty
-from specrl.algorithms.losses import (
-    ClipConfig,
-    agg_loss,
-    entropy_from_logits,
-    kl_penalty,
-    ppo_clip_loss,
-    rollout_is_weights,
-)
+from specrl.algorithms.dapo import groups_with_signal
+from specrl.algorithms.losses import ClipConfig, rollout_is_weights
 from specrl.checkpoint import load_trainer_state, resolve_resume, restore, save_checkpoint
 from specrl.config import Config, save_config
-from specrl.data import PromptLoader, load_prompts, prompt_text
-from specrl.engines import GREEDY, RolloutEngine, SamplingParams
+from specrl.data import PromptLoader, load_prompts
+from specrl.engines import GREEDY, SamplingParams
+from specrl.engines.build import build_engine
 from specrl.engines.hf import HFEngine
 from specrl.errors import UserError
-from specrl.rewards import RewardOutputs, load_reward_function
-from specrl.spec.rollout import RolloutStage, generate_rollouts
-from specrl.spec.store import RolloutStore
+from specrl.metrics import data_metrics, logprob_mismatch, timed
+from specrl.rewards import Scores, load_reward_function, score_rollouts
+from specrl.speculative.stage import SpeculativeStage, sample_rollouts
+from specrl.speculative.stats import RolloutStats
 from specrl.toy_policy import ensure_toy_policy
 from specrl.tracking import Tracker
 from specrl.types import Rollout
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
 
 class TrainingDivergedError(UserError):
     """Training cannot continue: repeated non-finite losses or gradients."""
-
-
-class ModelLoadError(UserError):
-    """The configured model directory is missing or unusable."""
-
-
-def load_policy(
-    path: str | None, dtype: str, log=print
-) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
-    """A local Hugging Face causal LM and its tokenizer; None means the built-in tiny policy."""
-    directory = Path(path) if path is not None else ensure_toy_policy(log=log)
-    if not (directory / "config.json").is_file():
-        what = "does not exist" if not directory.exists() else "has no config.json"
-        raise ModelLoadError(
-            f"model.path {str(directory)!r} {what}; point it at a local Hugging Face model directory "
-            "(config.json, weights, tokenizer files) or leave it unset for the built-in tiny policy"
-        )
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(directory)
-        model = AutoModelForCausalLM.from_pretrained(directory, dtype=DTYPES[dtype])
-    except Exception as err:  # transformers, safetensors and tokenizers each raise their own
-        first_line = str(err).strip().splitlines()[0] if str(err).strip() else ""
-        raise ModelLoadError(
-            f"model.path {str(directory)!r} could not be loaded ({type(err).__name__}: {first_line}); "
-            "check that its weights and tokenizer files are complete"
-        ) from None
-    if tokenizer.pad_token_id is None:
-        if tokenizer.eos_token is None:
-            raise ModelLoadError(
-                f"the tokenizer in {str(directory)!r} has neither a pad nor an eos token; "
-                "add an eos_token to its tokenizer_config.json"
-            )
-        tokenizer.pad_token = tokenizer.eos_token
-        log(
-            f"warning: the tokenizer has no pad token; padding with its eos token {tokenizer.eos_token!r}"
-        )
-    return model, tokenizer
-
-
-@dataclass
-class TrainBatch:
-    """Rollouts as tensors: prompts left-padded to width P, responses right-padded to width R."""
-
-    input_ids: torch.Tensor  # [B, P + R]
-    attention_mask: torch.Tensor  # [B, P + R]
-    position_ids: torch.Tensor  # [B, P + R]
-    response_mask: torch.Tensor  # [B, R]
-    prompt_width: int
-
-    @classmethod
-    def collate(cls, rollouts: list[Rollout], pad_id: int) -> TrainBatch:
-        width_p = max(len(r.prompt.ids) for r in rollouts)
-        width_r = max(max(len(r.token_ids) for r in rollouts), 1)
-        ids = torch.full((len(rollouts), width_p + width_r), pad_id, dtype=torch.long)
-        attention = torch.zeros_like(ids)
-        for row, r in enumerate(rollouts):
-            p = len(r.prompt.ids)
-            ids[row, width_p - p : width_p] = torch.tensor(r.prompt.ids)
-            ids[row, width_p : width_p + len(r.token_ids)] = torch.tensor(
-                r.token_ids, dtype=torch.long
-            )
-            attention[row, width_p - p : width_p + len(r.token_ids)] = 1
-        positions = (attention.cumsum(-1) - 1).clamp(min=0)
-        return cls(ids, attention, positions, attention[:, width_p:].clone(), width_p)
-
-    def pad_responses(self, values: list[list[float]]) -> torch.Tensor:
-        """Per-token values of each response → [B, R], zero-padded like the response tokens."""
-        out = torch.zeros(self.response_mask.shape)
-        for row, v in enumerate(values):
-            out[row, : len(v)] = torch.tensor(v)
-        return out
-
-    def rows(self, index: torch.Tensor) -> TrainBatch:
-        return TrainBatch(
-            self.input_ids[index],
-            self.attention_mask[index],
-            self.position_ids[index],
-            self.response_mask[index],
-            self.prompt_width,
-        )
-
-
-def response_logprobs(
-    model: PreTrainedModel, batch: TrainBatch, temperature: float
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Logprobs [B, R] of the response tokens under softmax(logits / temperature), and the
-    entropy [B, R] of that distribution (top-p / top-k are not applied, as in verl)."""
-    logits = model(
-        input_ids=batch.input_ids,
-        attention_mask=batch.attention_mask,
-        position_ids=batch.position_ids,
-    ).logits[:, batch.prompt_width - 1 : -1]  # [B, R, V]
-    logits = logits.float() / (temperature or 1.0)
-    targets = batch.input_ids[:, batch.prompt_width :]
-    logprobs = logits.log_softmax(-1).gather(-1, targets[..., None]).squeeze(-1)
-    return logprobs, entropy_from_logits(logits)
-
-
-@contextmanager
-def timed(metrics: dict[str, float], name: str):
-    start = time.perf_counter()
-    yield
-    metrics[f"timing_s/{name}"] = metrics.get(f"timing_s/{name}", 0.0) + time.perf_counter() - start
-
-
-def _mismatch_metrics(
-    old_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor, mask: torch.Tensor
-) -> dict[str, float]:
-    """How far the rollout engine's logprobs are from the trainer's (0 when they are the same
-    numbers, as with the transformers engine over the trainer's own model)."""
-    diff = (old_logprobs - rollout_logprobs).abs()[mask.bool()]
-    if diff.numel() == 0:
-        return {}
-    return {
-        "rollout_corr/logprob_abs_diff_mean": float(diff.mean()),
-        "rollout_corr/logprob_abs_diff_max": float(diff.max()),
-    }
 
 
 def seed_everything(seed: int) -> None:
@@ -187,20 +56,26 @@ class Trainer:
         if cfg.trainer.num_threads:
             torch.set_num_threads(cfg.trainer.num_threads)
         seed_everything(cfg.trainer.seed)
+        log = self.tracker.print
         self.resume_from = resolve_resume(cfg.trainer.resume_mode, self.run_dir)
         state = load_trainer_state(self.resume_from) if self.resume_from else None
-        self.policy, self.tokenizer = load_policy(
-            str(self.resume_from) if self.resume_from else cfg.model.path,
-            cfg.model.dtype,
-            log=self.tracker.print,
+        model_dir = self.resume_from or cfg.model.path or ensure_toy_policy(log=log)
+        policy, self.tokenizer = load_policy(model_dir, cfg.model.dtype, log=log)
+        reference = None
+        if cfg.actor.use_kl_loss:
+            resumed = self.resume_from is not None
+            reference = reference_policy(policy, cfg.model.path, resumed, cfg.model.dtype, log)
+        clip = ClipConfig(
+            cfg.actor.clip_ratio_low,
+            cfg.actor.clip_ratio_high,
+            cfg.actor.clip_ratio_c,
+            cfg.actor.loss_agg_mode,
+            cfg.data.max_response_length,
         )
-        self.reference = self._reference_policy() if cfg.actor.use_kl_loss else None
-        eos = self.policy.generation_config.eos_token_id
-        eos_ids = [eos] if isinstance(eos, int) else list(eos or [self.tokenizer.eos_token_id])
-        self.engine = self._engine(eos_ids)
-        train, self.val_prompts = load_prompts(
-            cfg.data, self.tokenizer, cfg.trainer.seed, log=self.tracker.print
-        )
+        self.actor = Actor(policy, cfg.actor, clip, cfg.rollout.temperature, reference)
+        eos_ids = eos_token_ids(policy, self.tokenizer)
+        self.engine = build_engine(cfg, policy, eos_ids, self.tokenizer.pad_token_id, model_dir)
+        train, self.val_prompts = load_prompts(cfg.data, self.tokenizer, cfg.trainer.seed, log)
         self.loader = PromptLoader(
             train, cfg.data.train_batch_size, cfg.data.shuffle, cfg.trainer.seed
         )
@@ -209,70 +84,39 @@ class Trainer:
             cfg.custom_reward_function.name,
             cfg.reward_model.timeout_s,
         )
-        self.sampling = SamplingParams(
-            cfg.rollout.temperature, cfg.rollout.top_p, cfg.rollout.top_k
-        )
-        self.store = RolloutStore()
-        self.rollout = RolloutStage(
-            self.engine, self.sampling, cfg.data.max_response_length, cfg.rollout.spec, self.store
+        sampling = SamplingParams(cfg.rollout.temperature, cfg.rollout.top_p, cfg.rollout.top_k)
+        self.stage = SpeculativeStage(
+            self.engine, sampling, cfg.data.max_response_length, cfg.rollout.spec
         )
         # Rollout logprobs are the trainer's own old log-probs when the engine runs the trainer's
         # model and samples from softmax(logits / T) untruncated: no recomputation needed.
         self.rollout_logprobs_are_old_logprobs = (
             isinstance(self.engine, HFEngine)
-            and self.engine.model is self.policy
-            and cfg.rollout.temperature > 0
-            and cfg.rollout.top_p == 1
-            and cfg.rollout.top_k == 0
-        )
-        self.optimizer = torch.optim.AdamW(
-            self.policy.parameters(),
-            lr=cfg.actor.optim.lr,
-            betas=cfg.actor.optim.betas,
-            weight_decay=cfg.actor.optim.weight_decay,
-        )
-        warmup = cfg.actor.optim.lr_warmup_steps
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
-            self.optimizer, lambda s: min(1.0, (s + 1) / (warmup + 1))
+            and self.engine.model is policy
+            and sampling.temperature > 0
+            and sampling.top_p == 1
+            and sampling.top_k == 0
         )
         self.global_step = 0
         self.bad_steps = 0  # consecutive steps with skipped (non-finite) updates
         steps = cfg.trainer.total_epochs * self.loader.steps_per_epoch
         self.total_steps = min(steps, cfg.trainer.total_training_steps or steps)
         if state is not None:
-            restore(self, state)
+            self.global_step = restore(self.resume_from, state, self._checkpointed())
 
-    def _engine(self, eos_ids: list[int]) -> RolloutEngine:
-        cfg = self.cfg
-        if cfg.rollout.name == "hf":
-            # The engine wraps the trainer's own model object: weights are shared, so the sync
-            # after each update copies nothing (it only drops the engine's prefix cache).
-            return HFEngine(
-                self.policy, eos_ids, self.tokenizer.pad_token_id, cfg.rollout.max_batch_size
-            )
-        from specrl.engines.vllm import VLLMEngine
+    def _checkpointed(self) -> dict:
+        return {"actor": self.actor, "loader": self.loader, "stage": self.stage}
 
-        engine = VLLMEngine.shared(
-            str(self.resume_from or cfg.model.path or ensure_toy_policy(log=self.tracker.print)),
-            eos_ids,
-            dtype=cfg.model.dtype,
-            max_model_len=cfg.data.max_prompt_length + cfg.data.max_response_length,
-            gpu_memory_utilization=cfg.rollout.gpu_memory_utilization,
-            sleep_mode=cfg.rollout.enable_sleep_mode,
-            seed=cfg.trainer.seed,
+    def save(self) -> str:
+        path = save_checkpoint(
+            self.run_dir,
+            self.global_step,
+            self.actor.policy,
+            self.tokenizer,
+            self._checkpointed(),
+            self.cfg.trainer.max_ckpt_to_keep,
         )
-        engine.load_weights(self.policy.state_dict())
-        return engine
-
-    def _reference_policy(self) -> PreTrainedModel:
-        """The frozen KL reference: the initial policy, also when resuming from a checkpoint."""
-        if self.resume_from is None:
-            reference = copy.deepcopy(self.policy)
-        else:
-            reference = load_policy(
-                self.cfg.model.path, self.cfg.model.dtype, log=self.tracker.print
-            )[0]
-        return reference.eval().requires_grad_(False)
+        return str(path)
 
     # ---------------------------------------------------------------- loop
     def fit(self) -> dict[str, float]:
@@ -287,38 +131,42 @@ class Trainer:
             self.tracker.start(config=self.cfg.model_dump())
             if self.cfg.trainer.val_before_train:
                 self.tracker.log({"training/global_step": 0, **self.validate()})
-        summary: dict[str, float] = {}
-        first = self.tracker.history[0] if self.tracker.history else {}
-        if first.get("training/global_step") == 0 and "val/acc/mean@1" in first:
-            summary["val_acc_before"] = first["val/acc/mean@1"]
         # Everything alive now (model, data, library objects: ~400k) lives through the run; frozen,
         # the garbage collector stops scanning it (as vLLM does after start-up): a full collection
         # took ~0.1 s here, several times per epoch.
         gc.collect()
         gc.freeze()
         try:
-            self._train_loop()
+            with self.tracker.progress(self.total_steps, self.global_step) as advance:
+                while self.global_step < self.total_steps:
+                    self.global_step += 1
+                    metrics = self.train_step()
+                    self._check_finite(metrics)
+                    if self._due(self.cfg.trainer.test_freq):
+                        metrics.update(self.validate())
+                    if self._due(self.cfg.trainer.save_freq):
+                        self.save()
+                    self.tracker.log(metrics)
+                    advance(metrics)
         finally:
             gc.unfreeze()
             self.tracker.close()
-        last = self.tracker.last("val/acc/mean@1")
-        if last is not None:
-            summary["val_acc_after"] = last
+        summary = self._summary()
         self.tracker.summary(summary)
         return summary
 
-    def _train_loop(self) -> None:
-        with self.tracker.progress(self.total_steps, self.global_step) as advance:
-            while self.global_step < self.total_steps:
-                self.global_step += 1
-                metrics = self.train_step()
-                self._check_finite(metrics)
-                if self._due(self.cfg.trainer.test_freq):
-                    metrics.update(self.validate())
-                if self._due(self.cfg.trainer.save_freq):
-                    save_checkpoint(self)
-                self.tracker.log(metrics)
-                advance(metrics)
+    def _summary(self) -> dict[str, float]:
+        history = self.tracker.history
+        summary: dict[str, float] = {}
+        if history and history[0].get("training/global_step") == 0:
+            summary["val_acc_before"] = history[0].get("val/acc/mean@1")
+        summary["val_acc_after"] = self.tracker.last("val/acc/mean@1")
+        spec = RolloutStats.total(
+            RolloutStats.from_metrics(m) for m in history if m["training/global_step"] > 0
+        )
+        summary["reused_token_ratio"] = spec.ratios()["spec/reused_token_ratio"]
+        summary["decoded_tokens_saved"] = spec.reused_tokens
+        return {k: v for k, v in summary.items() if v is not None}
 
     def _check_finite(self, metrics: dict[str, float]) -> None:
         """Skipped updates are reported every step; trainer.max_bad_steps in a row stop the run
@@ -331,7 +179,7 @@ class Trainer:
             )
         if self.bad_steps >= self.cfg.trainer.max_bad_steps:
             self.tracker.log(metrics)
-            path = save_checkpoint(self)
+            path = self.save()
             raise TrainingDivergedError(
                 f"{self.bad_steps} steps in a row had non-finite losses or gradients; stopped after "
                 f"saving {path}. Lower actor.optim.lr or actor.grad_clip, or check the reward scale"
@@ -345,212 +193,121 @@ class Trainer:
         metrics: dict[str, float] = {"training/global_step": self.global_step}
         step_start = time.perf_counter()
         rollouts, scores = self.collect_rollouts(metrics)
+        batch = self.train_batch(rollouts, scores, metrics)
+        if cfg.rollout.enable_sleep_mode:  # the trainer gets the GPU memory during the update
+            self.engine.sleep()
+        with timed(metrics, "update_actor"):
+            seed = cfg.trainer.seed * 1_000_003 + self.global_step
+            metrics.update(self.actor.update(batch, cfg.rollout.n, seed).metrics())
+        if cfg.rollout.enable_sleep_mode:
+            self.engine.wake_up()
+        with timed(metrics, "sync"):  # hf: shared weights, copies nothing
+            self.engine.load_weights(self.actor.policy.state_dict())
+        metrics["timing_s/step"] = time.perf_counter() - step_start
+        step_scores = torch.tensor(scores.scores)
+        metrics.update(
+            data_metrics(rollouts, step_scores, batch.advantages, metrics["timing_s/step"])
+        )
+        metrics["training/epoch"] = self.loader.epoch
+        return metrics
+
+    # ---------------------------------------------------------------- rollout + rewards
+    def collect_rollouts(self, metrics: dict[str, float]) -> tuple[list[Rollout], Scores]:
+        """Rollouts and their scores for data.train_batch_size prompts. With DAPO dynamic
+        sampling, groups whose `filter_groups.metric` is the same for every slot are dropped and
+        more prompts are rolled out, up to algorithm.filter_groups.max_num_gen_batches batches."""
+        cfg = self.cfg
+        n, want = cfg.rollout.n, cfg.data.train_batch_size
+        filtering = cfg.algorithm.filter_groups
+        kept: list[Rollout] = []
+        kept_scores = Scores([], [], [])
+        stats = RolloutStats()
+        for gen_batch in range(filtering.max_num_gen_batches if filtering.enable else 1):
+            seed_key = (cfg.trainer.seed, self.global_step, gen_batch)
+            rollouts, batch_stats = self.stage(
+                self.loader.next_batch(), n, seed_key, self.global_step
+            )
+            stats = stats + batch_stats
+            with timed(metrics, "reward"):
+                scores = self.score(rollouts)
+            signal = scores.acc if filtering.metric == "acc" else scores.scores
+            keep = groups_with_signal(torch.tensor(signal).view(-1, n))  # [G]
+            if not filtering.enable:
+                keep = torch.ones_like(keep)
+            rows = [g * n + s for g in keep.nonzero().flatten().tolist() for s in range(n)]
+            kept += [rollouts[i] for i in rows]
+            kept_scores = kept_scores + scores.rows(rows)
+            metrics["train/num_gen_batches"] = gen_batch + 1
+            if len(kept) >= want * n:
+                break
+        if not kept:  # every group was filtered: train on the last batch (zero advantages)
+            kept, kept_scores = rollouts, scores
+        metrics.update(stats.metrics())
+        metrics["reward/errors"] = kept_scores.errors
+        rows = list(range(min(len(kept), want * n)))
+        return kept[: len(rows)], kept_scores.rows(rows)
+
+    def score(self, rollouts: list[Rollout]) -> Scores:
+        scores = score_rollouts(
+            self.reward_fn,
+            self.tokenizer,
+            rollouts,
+            self.cfg.reward_model.overlong_buffer,
+            self.cfg.data.max_response_length,
+        )
+        if scores.first_error:
+            self.tracker.warn(
+                f"reward function {self.reward_fn.name}: {scores.errors} failed calls, "
+                f"first: {scores.first_error}"
+            )
+        return scores
+
+    # ---------------------------------------------------------------- learner inputs
+    def train_batch(
+        self, rollouts: list[Rollout], scores: Scores, metrics: dict[str, float]
+    ) -> TrainBatch:
+        """Rollouts as tensors with what the update needs: old logprobs, rollout importance
+        weights, reference logprobs and advantages."""
+        cfg = self.cfg
         batch = TrainBatch.collate(rollouts, self.tokenizer.pad_token_id)
-        rollout_logprobs = batch.pad_responses([r.logprobs for r in rollouts])
-        with timed(metrics, "old_log_prob"), torch.no_grad():
+        rollout_logprobs = batch.pad_responses([r.current_logprobs for r in rollouts])
+        with timed(metrics, "old_log_prob"):
             if self.rollout_logprobs_are_old_logprobs:
-                old_logprobs = rollout_logprobs
+                batch.old_logprobs = rollout_logprobs
             else:
-                old_logprobs = self._logprobs(self.policy, batch)
-        metrics.update(_mismatch_metrics(old_logprobs, rollout_logprobs, batch.response_mask))
-        is_weights = None
+                batch.old_logprobs = self.actor.logprobs(batch)
+        metrics.update(logprob_mismatch(batch.old_logprobs, rollout_logprobs, batch.response_mask))
         correction = cfg.algorithm.rollout_correction
         level = correction.level(cfg.rollout.spec)
         if level is not None:
             # weighed against what each token was sampled with: the engine's logprobs, or the
             # lenient specrl rule's own probability where it decided the token
             behaviour = [
-                r.logprobs if r.behaviour_logprobs is None else r.behaviour_logprobs
+                r.current_logprobs if r.behaviour_logprobs is None else r.behaviour_logprobs
                 for r in rollouts
             ]
-            is_weights = rollout_is_weights(
-                old_logprobs,
+            batch.is_weights = rollout_is_weights(
+                batch.old_logprobs,
                 batch.pad_responses(behaviour),
                 batch.response_mask.float(),
                 level,
                 correction.rollout_is_threshold,
             )
             metrics["rollout_corr/rollout_is_mean"] = float(
-                is_weights.sum() / batch.response_mask.sum().clamp(min=1)
+                batch.is_weights.sum() / batch.response_mask.sum().clamp(min=1)
             )
-        ref_logprobs = None
-        if self.reference is not None:
-            with timed(metrics, "ref"), torch.no_grad():
-                ref_logprobs = self._logprobs(self.reference, batch)
+        if self.actor.reference is not None:
+            with timed(metrics, "ref"):
+                batch.ref_logprobs = self.actor.logprobs(batch, reference=True)
         with timed(metrics, "adv"):
-            advantages = compute_advantages(
-                scores.view(-1, cfg.rollout.n),
+            batch.advantages = compute_advantages(
+                torch.tensor(scores.scores).view(-1, cfg.rollout.n),
                 cfg.algorithm.adv_estimator,
                 cfg.algorithm.norm_adv_by_std_in_grpo,
             ).flatten()  # [N]
-        if cfg.rollout.enable_sleep_mode:  # the trainer gets the GPU memory during the update
-            self.engine.sleep()
-        with timed(metrics, "update_actor"):
-            metrics.update(
-                self.update_policy(batch, old_logprobs, ref_logprobs, advantages, is_weights)
-            )
-        if cfg.rollout.enable_sleep_mode:
-            self.engine.wake_up()
-        with timed(metrics, "sync"):  # hf: shared weights, copies nothing, drops the prefix cache
-            self.engine.load_weights(self.policy.state_dict())
-        metrics["timing_s/step"] = time.perf_counter() - step_start
-        metrics.update(self._data_metrics(rollouts, scores, advantages, metrics["timing_s/step"]))
-        metrics["training/epoch"] = self.loader.epoch
-        return metrics
+        return batch
 
-    # ---------------------------------------------------------------- rollout + rewards
-    def collect_rollouts(self, metrics: dict[str, float]) -> tuple[list[Rollout], torch.Tensor]:
-        """Rollouts and their scores [N] for data.train_batch_size prompts. With DAPO dynamic
-        sampling, groups whose scores are all equal are dropped and more prompts are rolled out,
-        up to algorithm.filter_groups.max_num_gen_batches batches."""
-        cfg = self.cfg
-        n, want = cfg.rollout.n, cfg.data.train_batch_size
-        kept: list[Rollout] = []
-        kept_scores: list[torch.Tensor] = []
-        filtering = cfg.algorithm.filter_groups
-        for gen_batch in range(filtering.max_num_gen_batches if filtering.enable else 1):
-            prompts = self.loader.next_batch()
-            seed_key = (cfg.trainer.seed, self.global_step, gen_batch)
-            rollouts = self.rollout(prompts, n, seed_key, self.global_step, metrics)
-            with timed(metrics, "reward"):
-                scores = self.score(rollouts, metrics).view(-1, n)  # [G, n]
-            keep = (
-                groups_with_signal(scores)
-                if filtering.enable
-                else torch.ones(len(prompts), dtype=torch.bool)
-            )
-            for g in keep.nonzero().flatten().tolist():
-                kept.extend(rollouts[g * n : (g + 1) * n])
-                kept_scores.append(scores[g])
-            metrics["train/num_gen_batches"] = gen_batch + 1
-            if len(kept_scores) >= want:
-                break
-        if not kept_scores:  # every group was filtered: train on the last batch (zero advantages)
-            kept, kept_scores = rollouts, list(scores)
-        kept, kept_scores = kept[: want * n], kept_scores[:want]
-        return kept, torch.stack(kept_scores).flatten()
-
-    def score(self, rollouts: list[Rollout], metrics: dict[str, float]) -> torch.Tensor:
-        """Reward per rollout [N], with DAPO's soft overlong penalty when enabled."""
-        out = self.reward(rollouts)
-        scores = torch.tensor(out.scores)
-        metrics["reward/errors"] = metrics.get("reward/errors", 0) + out.errors
-        if out.first_error:
-            self.tracker.warn(
-                f"reward function {self.reward_fn.name}: {out.errors} failed calls, first: {out.first_error}"
-            )
-        buffer = self.cfg.reward_model.overlong_buffer
-        if buffer.enable:
-            lengths = torch.tensor([len(r.token_ids) for r in rollouts])
-            scores = scores + overlong_penalty(
-                lengths, self.cfg.data.max_response_length, buffer.len, buffer.penalty_factor
-            )
-        for r, s in zip(rollouts, scores.tolist(), strict=True):
-            r.score = s
-        return scores
-
-    def reward(self, rollouts: list[Rollout]) -> RewardOutputs:
-        """Decode each response (kept on the rollout) and run the reward function on the batch."""
-        for r in rollouts:
-            r.text = self.tokenizer.decode(r.token_ids, skip_special_tokens=True)
-        return self.reward_fn(
-            [r.text for r in rollouts],
-            [r.prompt.example for r in rollouts],
-            [prompt_text(r.prompt.example, self.tokenizer) for r in rollouts],
-        )
-
-    # ---------------------------------------------------------------- update
-    def _logprobs(self, model: PreTrainedModel, batch: TrainBatch) -> torch.Tensor:
-        size = self.cfg.actor.ppo_micro_batch_size
-        parts = [
-            response_logprobs(
-                model,
-                batch.rows(torch.arange(i, min(i + size, len(batch.input_ids)))),
-                self.cfg.rollout.temperature,
-            )[0]
-            for i in range(0, len(batch.input_ids), size)
-        ]
-        return torch.cat(parts)
-
-    def update_policy(
-        self,
-        batch: TrainBatch,
-        old_logprobs: torch.Tensor,
-        ref_logprobs: torch.Tensor | None,
-        advantages: torch.Tensor,
-        is_weights: torch.Tensor | None = None,
-    ) -> dict[str, float]:
-        """ppo_epochs passes; each splits the rollouts into mini-batches (one optimizer step each)
-        and those into micro-batches (gradient accumulation)."""
-        actor = self.cfg.actor
-        clip = ClipConfig(
-            actor.clip_ratio_low,
-            actor.clip_ratio_high,
-            actor.clip_ratio_c,
-            actor.loss_agg_mode,
-            self.cfg.data.max_response_length,
-        )
-        num = len(batch.input_ids)
-        mini = actor.ppo_mini_batch_size * self.cfg.rollout.n
-        generator = torch.Generator().manual_seed(
-            self.cfg.trainer.seed * 1_000_003 + self.global_step
-        )
-        sums: dict[str, list[float]] = defaultdict(list)
-        skipped = 0
-        self.policy.train()
-        for _ in range(actor.ppo_epochs):
-            order = torch.randperm(num, generator=generator)
-            for start in range(0, num, mini):
-                rows = order[start : start + mini]
-                self.optimizer.zero_grad(set_to_none=True)
-                for micro in rows.split(actor.ppo_micro_batch_size):
-                    part = batch.rows(micro)
-                    logprobs, entropy = response_logprobs(
-                        self.policy, part, self.cfg.rollout.temperature
-                    )
-                    mask = part.response_mask.float()
-                    adv = advantages[micro][:, None].expand_as(logprobs)
-                    out = ppo_clip_loss(
-                        logprobs,
-                        old_logprobs[micro],
-                        adv,
-                        mask,
-                        clip,
-                        None if is_weights is None else is_weights[micro],
-                    )
-                    entropy_mean = agg_loss(entropy, mask, actor.loss_agg_mode, clip.horizon)
-                    loss = out.loss - actor.entropy_coeff * entropy_mean
-                    if ref_logprobs is not None:
-                        kl = agg_loss(
-                            kl_penalty(logprobs, ref_logprobs[micro], actor.kl_loss_type),
-                            mask,
-                            actor.loss_agg_mode,
-                            clip.horizon,
-                        )
-                        loss = loss + actor.kl_loss_coef * kl
-                        sums["actor/kl_loss"].append(kl.item())
-                    (loss * len(micro) / len(rows)).backward()
-                    sums["actor/pg_loss"].append(out.loss.item())
-                    sums["actor/pg_clipfrac"].append(out.pg_clipfrac.item())
-                    sums["actor/pg_clipfrac_lower"].append(out.pg_clipfrac_lower.item())
-                    sums["actor/ppo_kl"].append(out.ppo_kl.item())
-                    sums["actor/entropy"].append(entropy_mean.item())
-                grad_norm = torch.nn.utils.clip_grad_norm_(
-                    self.policy.parameters(), actor.grad_clip
-                )
-                sums["actor/grad_norm"].append(grad_norm.item())
-                if torch.isfinite(grad_norm):
-                    self.optimizer.step()
-                    self.scheduler.step()  # the schedule counts applied updates
-                else:  # a NaN / inf loss or gradient: keep the weights, report the skip
-                    skipped += 1
-        self.policy.eval()
-        metrics = {k: float(np.mean(v)) for k, v in sums.items()}
-        metrics["actor/skipped_updates"] = skipped
-        metrics["actor/lr"] = self.scheduler.get_last_lr()[0]
-        return metrics
-
-    # ---------------------------------------------------------------- evaluation + metrics
+    # ---------------------------------------------------------------- evaluation
     @torch.no_grad()
     def validate(self) -> dict[str, float]:
         """Greedy accuracy on the held-out prompts: val/acc/mean@1."""
@@ -558,7 +315,7 @@ class Trainer:
         rollouts: list[Rollout] = []
         size = self.cfg.data.val_batch_size
         for i in range(0, len(self.val_prompts), size):
-            rollouts += generate_rollouts(
+            rollouts += sample_rollouts(
                 self.engine,
                 self.val_prompts[i : i + size],
                 1,
@@ -567,39 +324,10 @@ class Trainer:
                 ("val",),
                 self.global_step,
             )
-        out = self.reward(rollouts)
+        scores = score_rollouts(self.reward_fn, self.tokenizer, rollouts)
         return {
-            "val/acc/mean@1": float(np.mean(out.scores)),
+            "val/acc/mean@1": float(np.mean(scores.acc)),
             "val/response_length/mean": float(np.mean([len(r.token_ids) for r in rollouts])),
-            "val/reward_errors": out.errors,
+            "val/reward_errors": scores.errors,
             "timing_s/testing": time.perf_counter() - start,
-        }
-
-    def _data_metrics(
-        self,
-        rollouts: list[Rollout],
-        scores: torch.Tensor,
-        advantages: torch.Tensor,
-        step_time: float,
-    ) -> dict[str, float]:
-        lengths = torch.tensor([len(r.token_ids) for r in rollouts], dtype=torch.float32)
-        prompt_lengths = torch.tensor([len(r.prompt.ids) for r in rollouts], dtype=torch.float32)
-        total_tokens = float(lengths.sum() + prompt_lengths.sum())
-        return {
-            "critic/score/mean": scores.mean().item(),
-            "critic/rewards/mean": scores.mean().item(),
-            "critic/score/max": scores.max().item(),
-            "critic/score/min": scores.min().item(),
-            "critic/advantages/mean": advantages.mean().item(),
-            "critic/advantages/max": advantages.max().item(),
-            "critic/advantages/min": advantages.min().item(),
-            "response_length/mean": lengths.mean().item(),
-            "response_length/max": lengths.max().item(),
-            "response_length/min": lengths.min().item(),
-            "response_length/clip_ratio": float(
-                np.mean([r.finish_reason == "length" for r in rollouts])
-            ),
-            "prompt_length/mean": prompt_lengths.mean().item(),
-            "perf/total_num_tokens": total_tokens,
-            "perf/throughput": total_tokens / step_time,
         }

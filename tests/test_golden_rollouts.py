@@ -62,7 +62,7 @@ def rollout_digest(rollouts) -> str:
             r.prompt.prompt_id,
             r.slot,
             list(r.token_ids),
-            [round(x, 4) for x in r.logprobs],
+            [round(x, 4) for x in r.current_logprobs],
             None if r.behaviour_logprobs is None else [round(x, 4) for x in r.behaviour_logprobs],
             r.finish_reason,
         )

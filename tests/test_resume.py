@@ -117,16 +117,16 @@ def test_non_finite_losses_are_skipped_then_stop_the_run_after_saving(
 
     import torch
 
-    from specrl import trainer as trainer_module
+    from specrl.actor import update as update_module
     from specrl.trainer import TrainingDivergedError
 
-    real = trainer_module.ppo_clip_loss
+    real = update_module.ppo_clip_loss
 
     def nan_loss(*args, **kwargs):
         out = real(*args, **kwargs)
         return dataclasses.replace(out, loss=out.loss * float("nan"))
 
-    monkeypatch.setattr(trainer_module, "ppo_clip_loss", nan_loss)
+    monkeypatch.setattr(update_module, "ppo_clip_loss", nan_loss)
     cfg = small_config(
         tiny_policy_dir,
         tmp_path,
@@ -135,7 +135,7 @@ def test_non_finite_losses_are_skipped_then_stop_the_run_after_saving(
         "trainer.save_freq=0",
     )
     trainer = Trainer(cfg)
-    before = {k: v.clone() for k, v in trainer.policy.state_dict().items()}
+    before = {k: v.clone() for k, v in trainer.actor.policy.state_dict().items()}
     with pytest.raises(TrainingDivergedError, match="2 steps in a row had non-finite losses"):
         trainer.fit()
     steps = read_metrics(tmp_path)[1:]
@@ -143,5 +143,5 @@ def test_non_finite_losses_are_skipped_then_stop_the_run_after_saving(
     assert all(m["actor/skipped_updates"] > 0 for m in steps)
     assert (tmp_path / "checkpoints" / "global_step_2" / "trainer_state.pt").is_file()
     assert all(
-        torch.equal(before[k], v) for k, v in trainer.policy.state_dict().items()
+        torch.equal(before[k], v) for k, v in trainer.actor.policy.state_dict().items()
     )  # never applied

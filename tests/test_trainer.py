@@ -26,10 +26,8 @@ def test_run_writes_config_metrics_and_checkpoints(tiny_policy_dir, tmp_path):
         ckpt = tmp_path / "checkpoints" / f"global_step_{s}"
         assert (ckpt / "config.json").is_file() and (ckpt / "tokenizer.json").is_file()
         state = torch.load(ckpt / "trainer_state.pt", weights_only=False)
-        assert (
-            state["global_step"] == s
-            and {"optimizer", "scheduler", "loader", "rng"} <= state.keys()
-        )
+        assert state["global_step"] == s and {"actor", "loader", "stage", "rng"} <= state.keys()
+        assert {"optimizer", "scheduler"} == state["actor"].keys()
 
 
 def test_same_seed_same_metrics(tiny_policy_dir, tmp_path):
@@ -107,13 +105,14 @@ def test_ppo_update_moves_the_policy_toward_higher_advantage(tiny_policy_dir, tm
 def test_rollout_logprobs_handed_to_the_trainer_equal_recomputed_old_logprobs(
     tiny_policy_dir, tmp_path, spec, tree
 ):
-    from specrl.trainer import TrainBatch
+    from specrl.actor.batch import TrainBatch
 
     cfg = small_config(
         tiny_policy_dir,
         tmp_path,
         "data.train_size=4",
         f"rollout.spec.enabled={spec}",
+        "rollout.spec.acceptance=specrl",
         "rollout.spec.log_lenience=.inf",
         f"rollout.spec.tree.enabled={tree}",
         "rollout.spec.tree.adaptive=false",
@@ -126,8 +125,8 @@ def test_rollout_logprobs_handed_to_the_trainer_equal_recomputed_old_logprobs(
         rollouts, _ = trainer.collect_rollouts(metrics)
         batch = TrainBatch.collate(rollouts, trainer.tokenizer.pad_token_id)
         with torch.no_grad():
-            recomputed = trainer._logprobs(trainer.policy, batch) * batch.response_mask
-        handed = batch.pad_responses([r.logprobs for r in rollouts])
+            recomputed = trainer.actor.logprobs(batch) * batch.response_mask
+        handed = batch.pad_responses([r.current_logprobs for r in rollouts])
         assert torch.allclose(handed, recomputed, atol=1e-4)
     assert metrics["spec/reused_token_ratio"] == (1.0 if spec else 0.0)
     if tree:  # some of the handed logprobs come from multi-token verification forwards
@@ -140,7 +139,7 @@ def test_speculative_training_reuses_drafts_from_the_second_epoch(tiny_policy_di
         tmp_path,
         "data.train_size=8",
         "trainer.total_training_steps=4",
-        "rollout.spec.enabled=true",
+        "rollout.spec.acceptance=specrl",
     )
     Trainer(cfg).fit()
     steps = read_metrics(tmp_path)[1:]
@@ -154,4 +153,4 @@ def test_speculative_training_reuses_drafts_from_the_second_epoch(tiny_policy_di
     state = torch.load(
         tmp_path / "checkpoints" / "global_step_4" / "trainer_state.pt", weights_only=False
     )
-    assert len(state["rollout_store"]["prompt_ids"]) == 8 * 4  # every (prompt id, slot) is saved
+    assert len(state["stage"]["store"]["prompt_ids"]) == 8 * 4  # every (prompt id, slot) is saved

@@ -1,4 +1,10 @@
-"""Policy losses as pure functions on [B, T] token tensors with a response mask."""
+"""Policy losses as pure functions on [B, T] token tensors with a response mask.
+
+A mini-batch (one optimizer step) is usually computed in several micro-batches. Losses are
+normalised by the *mini-batch's* totals (`AggScale`: its response tokens and sequences), so each
+micro-batch returns its share and the shares add up to the mini-batch's loss, whatever the
+micro-batch size (DAPO's token-mean averages over all tokens of the batch, arXiv 2503.14476,
+eq. 12; verl normalises the same way)."""
 
 from __future__ import annotations
 
@@ -10,29 +16,59 @@ import torch
 
 LossAggMode = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
 KLType = Literal["k1", "k2", "low_var_kl"]
+MAX_LOG_RATIO = 20.0  # log-ratios are clamped to ±20 before exp (as verl): finite losses and grads
 
 
-def masked_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    return (values * mask).sum() / mask.sum().clamp(min=1)
+@dataclass(frozen=True)
+class AggScale:
+    """Totals of the batch a loss is averaged over, when it is computed in parts: its response
+    tokens and its sequences."""
+
+    tokens: float
+    sequences: int
+
+    @classmethod
+    def of(cls, mask: torch.Tensor) -> AggScale:
+        """The totals of a whole batch, mask [B, T]."""
+        return cls(float(mask.sum().clamp(min=1)), mask.shape[0])
+
+
+def masked_sum(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Σ values where mask is set; `where`, not a product, so a NaN or inf in padding stays out."""
+    return torch.where(mask.bool(), values, 0.0).sum()
+
+
+def masked_mean(
+    values: torch.Tensor, mask: torch.Tensor, scale: AggScale | None = None
+) -> torch.Tensor:
+    """Mean over the masked tokens; with `scale`, this part's share of the mean over all of the
+    batch's tokens."""
+    tokens = AggScale.of(mask).tokens if scale is None else scale.tokens
+    return masked_sum(values, mask) / tokens
 
 
 def agg_loss(
-    loss_mat: torch.Tensor, mask: torch.Tensor, mode: LossAggMode, horizon: int | None = None
+    loss_mat: torch.Tensor,
+    mask: torch.Tensor,
+    mode: LossAggMode,
+    horizon: int | None = None,
+    scale: AggScale | None = None,
 ) -> torch.Tensor:
-    """Average a [B, T] token loss to a scalar.
+    """Average a [B, T] token loss to a scalar; with `scale`, this micro-batch's share of the
+    average over the mini-batch whose totals `scale` holds.
 
     token-mean: over all response tokens of the batch (DAPO, arXiv 2503.14476);
     seq-mean-token-mean: per sequence, then over sequences (original GRPO);
     seq-mean-token-sum-norm: per-sequence sums divided by a constant horizon (default T, pass
     max_response_length), then mean over sequences (Dr.GRPO, arXiv 2503.20783): no length bias.
     """
-    mask = mask.to(loss_mat.dtype)
+    scale = AggScale.of(mask) if scale is None else scale
     if mode == "token-mean":
-        return masked_mean(loss_mat, mask)
-    seq_sums = (loss_mat * mask).sum(-1)  # [B]
+        return masked_sum(loss_mat, mask) / scale.tokens
+    seq_sums = torch.where(mask.bool(), loss_mat, 0.0).sum(-1)  # [B]
     if mode == "seq-mean-token-mean":
-        return (seq_sums / mask.sum(-1).clamp(min=1)).mean()
-    return (seq_sums / (horizon or loss_mat.shape[-1])).mean()
+        return (seq_sums / mask.sum(-1).clamp(min=1)).sum() / scale.sequences
+    return (seq_sums / (horizon or loss_mat.shape[-1])).sum() / scale.sequences
 
 
 @dataclass(frozen=True)
@@ -59,11 +95,14 @@ def ppo_clip_loss(
     mask: torch.Tensor,
     cfg: ClipConfig,
     weights: torch.Tensor | None = None,
+    scale: AggScale | None = None,
 ) -> PolicyLossOutputs:
     """PPO clipped surrogate with asymmetric clip (DAPO clip-higher) and dual clip
     (arXiv 1912.09729): for negative advantages the loss is bounded by -A·clip_ratio_c.
-    `weights` (e.g. rollout importance weights) multiply each token's loss. All tensors [B, T]."""
-    log_ratio = logprobs - old_logprobs
+    `weights` (e.g. rollout importance weights) multiply each token's loss; `scale`: the totals
+    of the mini-batch this is part of (the loss and the statistics are this part's shares).
+    All tensors [B, T]."""
+    log_ratio = (logprobs - old_logprobs).clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)
     ratio = log_ratio.exp()
     unclipped = -advantages * ratio
     clipped = -advantages * ratio.clamp(1.0 - cfg.clip_ratio_low, 1.0 + cfg.clip_ratio_high)
@@ -73,14 +112,12 @@ def ppo_clip_loss(
     token_loss = torch.where(advantages < 0, dual_loss, clip_loss)
     if weights is not None:
         token_loss = token_loss * weights
-    mask_f = mask.to(logprobs.dtype)
+    dual = (clip_loss > dual_bound) & (advantages < 0)
     return PolicyLossOutputs(
-        loss=agg_loss(token_loss, mask_f, cfg.loss_agg_mode, cfg.horizon),
-        pg_clipfrac=masked_mean((clipped > unclipped).to(mask_f.dtype), mask_f).detach(),
-        pg_clipfrac_lower=masked_mean(
-            ((clip_loss > dual_bound) & (advantages < 0)).to(mask_f.dtype), mask_f
-        ).detach(),
-        ppo_kl=masked_mean(-log_ratio, mask_f).detach(),
+        loss=agg_loss(token_loss, mask, cfg.loss_agg_mode, cfg.horizon, scale),
+        pg_clipfrac=masked_mean((clipped > unclipped).float(), mask, scale).detach(),
+        pg_clipfrac_lower=masked_mean(dual.float(), mask, scale).detach(),
+        ppo_kl=masked_mean(-log_ratio, mask, scale).detach(),
     )
 
 
@@ -104,7 +141,7 @@ def kl_penalty(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, kind: KLType)
     """Per-token estimate of KL(π‖π_ref) from samples of π (Schulman, "Approximating KL
     divergence"): k1 = log r⁻¹, k2 = ½ (log r)², low_var_kl = k3 = r - log r - 1 with r = π_ref/π,
     clamped to [-10, 10] as in verl."""
-    log_ratio = logprobs - ref_logprobs
+    log_ratio = (logprobs - ref_logprobs).clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)
     if kind == "k1":
         return log_ratio
     if kind == "k2":

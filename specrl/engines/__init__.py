@@ -1,19 +1,23 @@
-from specrl.engines.base import (
+from specrl.engines.protocol import (
     GREEDY,
-    FinishReason,
+    Capabilities,
+    Drafter,
     GenRequest,
     GenResult,
+    LogprobRequest,
+    Prefixes,
     RolloutEngine,
     SamplingParams,
-    ScoreRequest,
 )
 
 __all__ = [
     "GREEDY",
-    "FinishReason",
+    "Capabilities",
+    "Drafter",
     "GenRequest",
     "GenResult",
+    "LogprobRequest",
+    "Prefixes",
     "RolloutEngine",
     "SamplingParams",
-    "ScoreRequest",
 ]

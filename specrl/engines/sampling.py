@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from specrl.engines.base import SamplingParams
+from specrl.engines.protocol import SamplingParams
 
 _MASK32 = 0xFFFFFFFF
 

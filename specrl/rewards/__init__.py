@@ -20,10 +20,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from specrl.data import arithmetic
+import torch
+from transformers import PreTrainedTokenizerBase
+
+from specrl.algorithms.dapo import overlong_penalty
+from specrl.config import OverlongBufferConfig
+from specrl.data import arithmetic, prompt_text
 from specrl.errors import UserError
 from specrl.rewards import math_answer
-from specrl.types import Example
+from specrl.types import Example, Rollout
 
 BUILTIN_SCORERS: dict[str, Callable[..., float]] = {
     arithmetic.DATA_SOURCE: arithmetic.compute_score
@@ -80,6 +85,62 @@ class RewardFunction:
             return out
         out.scores = [_check_score(v, None, out) for v in values]
         return out
+
+
+@dataclass(frozen=True)
+class Scores:
+    """The rewards of a batch of rollouts, kept beside them (rollouts are not changed): each
+    response decoded, the reward function's score (`acc`, what DAPO's group filter and
+    evaluation read) and the score trained on (`acc` plus DAPO's overlong penalty when on)."""
+
+    texts: list[str]
+    acc: list[float]
+    scores: list[float]
+    errors: int = 0
+    first_error: str | None = None
+
+    def rows(self, index: Sequence[int]) -> Scores:
+        return Scores(
+            [self.texts[i] for i in index],
+            [self.acc[i] for i in index],
+            [self.scores[i] for i in index],
+            self.errors,
+            self.first_error,
+        )
+
+    def __add__(self, other: Scores) -> Scores:
+        return Scores(
+            self.texts + other.texts,
+            self.acc + other.acc,
+            self.scores + other.scores,
+            self.errors + other.errors,
+            self.first_error or other.first_error,
+        )
+
+
+def score_rollouts(
+    reward_fn: RewardFunction,
+    tokenizer: PreTrainedTokenizerBase,
+    rollouts: Sequence[Rollout],
+    overlong: OverlongBufferConfig | None = None,
+    max_response_length: int = 0,
+) -> Scores:
+    """Decode every response and run the reward function on the batch; with `overlong` enabled,
+    add DAPO's soft overlong penalty to the scores trained on."""
+    texts = [tokenizer.decode(r.token_ids, skip_special_tokens=True) for r in rollouts]
+    out = reward_fn(
+        texts,
+        [r.prompt.example for r in rollouts],
+        [prompt_text(r.prompt.example, tokenizer) for r in rollouts],
+    )
+    scores = out.scores
+    if overlong is not None and overlong.enable:
+        lengths = torch.tensor([len(r.token_ids) for r in rollouts])
+        penalty = overlong_penalty(
+            lengths, max_response_length, overlong.len, overlong.penalty_factor
+        )
+        scores = (torch.tensor(scores) + penalty).tolist()
+    return Scores(texts, out.scores, scores, out.errors, out.first_error)
 
 
 def builtin_compute_score(

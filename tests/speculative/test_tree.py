@@ -5,12 +5,11 @@ import pytest
 from specrl.config import SpecConfig, TreeConfig
 from specrl.engines import SamplingParams
 from specrl.engines.hf import HFEngine
-from specrl.spec.rollout import RolloutStage, generate_rollouts
-from specrl.spec.store import RolloutStore
-from specrl.spec.tree import Cursor, PromptTree, TokenTree
+from specrl.speculative.stage import SpeculativeStage, sample_rollouts
+from specrl.speculative.tree import Cursor, PromptTree, TokenTree
 from specrl.types import Example, Prompt
 from tests.conftest import EOS, PAD, make_tiny_model
-from tests.spec.test_rollout import distribution_pvalue, target_and_drafter
+from tests.speculative.distributions import distribution_pvalue, target_and_drafter
 
 
 class Reference:
@@ -155,15 +154,9 @@ PROMPTS = [Prompt(ids, Example(str(ids), "", "test")) for ids in [(3, 4, 5), (6,
 SAMPLING = SamplingParams(1.0)
 
 
-def tree_stage(engine, store=None, spec=False, **tree):
+def tree_stage(engine, spec=False, **tree):
     tree = {"enabled": True, "adaptive": False, **tree}
-    return RolloutStage(
-        engine,
-        SAMPLING,
-        12,
-        SpecConfig(enabled=spec, tree=TreeConfig(**tree)),
-        RolloutStore() if store is None else store,
-    )
+    return SpeculativeStage(engine, SAMPLING, 12, SpecConfig(enabled=spec, tree=TreeConfig(**tree)))
 
 
 @pytest.mark.parametrize("online", [True, False])
@@ -171,30 +164,28 @@ def test_tree_drafts_speed_decoding_without_changing_rollouts(online):
     engine = HFEngine(make_tiny_model(seed=0, init=1.0), [EOS], PAD)
     stage = tree_stage(engine, online=online)
     for step in range(3):
-        metrics = {}
-        rollouts = stage(PROMPTS, 4, ("s", step), step, metrics)
-        vanilla = generate_rollouts(engine, PROMPTS, 4, SAMPLING, 12, ("s", step), step)
+        rollouts, stats = stage(PROMPTS, 4, ("s", step), step)
+        vanilla = sample_rollouts(engine, PROMPTS, 4, SAMPLING, 12, ("s", step), step)
         assert [r.token_ids for r in rollouts] == [r.token_ids for r in vanilla]
-        assert metrics["spec/tree/nodes"] == stage.tree.nodes > 0
-        assert metrics["spec/tree/prompts"] == 3
+        assert stats.tree_nodes == stage.tree.nodes > 0
+        assert stats.tree_prompts == 3
     # by now trees hold earlier responses: drafts are proposed, some accepted
-    assert 0 < metrics["spec/tree/accepted_tokens"] < metrics["spec/tree/draft_tokens"]
-    assert metrics["spec/tree/mean_accepted_per_forward"] > 1
-    assert metrics["spec/tree/forwards"] < metrics["spec/decoded_tokens"]
-    assert metrics["spec/tree/mean_width"] > 0
+    assert 0 < stats.tree_accepted_tokens < stats.tree_draft_tokens
+    assert stats.ratios()["spec/tree/mean_accepted_per_forward"] > 1
+    assert stats.tree_forwards < stats.decoded_tokens
+    assert stats.ratios()["spec/tree/mean_width"] > 0
 
 
 def test_spec_rl_plus_tree_equals_spec_rl_alone(engine):
-    plain, with_tree = RolloutStore(), RolloutStore()
     runs = [
-        RolloutStage(
-            engine, SAMPLING, 12, SpecConfig(enabled=True, tree=TreeConfig(enabled=False)), plain
+        SpeculativeStage(
+            engine, SAMPLING, 12, SpecConfig(enabled=True, tree=TreeConfig(enabled=False))
         ),
-        tree_stage(engine, with_tree, spec=True),
+        tree_stage(engine, spec=True),
     ]
     for step in range(3):
         engine.model = make_tiny_model(seed=step)  # the policy changes: drafts get cut
-        a, b = (run(PROMPTS, 4, ("s", step), step, {}) for run in runs)
+        (a, _), (b, _) = (run(PROMPTS, 4, ("s", step), step) for run in runs)
         assert [r.token_ids for r in a] == [r.token_ids for r in b]
     # fully reused drafts and continuations after a cut enter the tree as whole responses
     for r in b:
@@ -205,12 +196,10 @@ def test_spec_rl_plus_tree_equals_spec_rl_alone(engine):
 def test_window_and_node_limit_are_reported():
     engine = HFEngine(make_tiny_model(seed=0, init=1.0), [EOS], PAD)
     stage = tree_stage(engine, window=1, max_nodes=30)
-    metrics = {}
     for step in range(2):
-        metrics = {}
-        stage(PROMPTS, 4, ("s", step), step, metrics)
-    assert metrics["spec/tree/evicted_nodes"] > 0
-    assert metrics["spec/tree/nodes"] == stage.tree.nodes <= 30
+        _, stats = stage(PROMPTS, 4, ("s", step), step)
+    assert stats.tree_evicted_nodes > 0
+    assert stats.tree_nodes == stage.tree.nodes <= 30
 
 
 def test_exact_with_adversarial_tree_drafts_matches_the_target_distribution():
@@ -219,18 +208,16 @@ def test_exact_with_adversarial_tree_drafts_matches_the_target_distribution():
     vocab, max_len, n = 5, 3, 20_000
     prompt = Prompt((2, 3), Example("p", "", "test"))
     target, drafter = target_and_drafter(vocab, n)
-    stage = RolloutStage(
+    stage = SpeculativeStage(
         target,
         SAMPLING,
         max_len,
-        SpecConfig(tree=TreeConfig(enabled=True, adaptive=False, online=False)),
-        RolloutStore(),
+        SpecConfig(enabled=False, tree=TreeConfig(enabled=True, adaptive=False, online=False)),
     )
     stage.tree.begin(prompt.prompt_id)
-    for r in generate_rollouts(drafter, [prompt], 64, SAMPLING, max_len, ("draft",), 0):
+    for r in sample_rollouts(drafter, [prompt], 64, SAMPLING, max_len, ("draft",), 0):
         stage.tree.insert(prompt.prompt_id, r.token_ids)
-    metrics = {}
-    rollouts = stage([prompt], n, ("spec",), 1, metrics)
-    assert 0 < metrics["spec/tree/accepted_tokens"] < metrics["spec/tree/draft_tokens"]
+    rollouts, stats = stage([prompt], n, ("spec",), 1)
+    assert 0 < stats.tree_accepted_tokens < stats.tree_draft_tokens
 
     assert distribution_pvalue(target, prompt, rollouts, vocab, max_len) > 1e-3

@@ -3,8 +3,9 @@ import math
 import numpy as np
 import torch
 
-from specrl.spec.store import RolloutStore
-from specrl.spec.verify import accept_mask, cut_indices
+from specrl.speculative.acceptance import accept_mask, cut_indices
+from specrl.speculative.store import RolloutStore
+from specrl.types import Example, Prompt, Rollout
 
 NEW = torch.log(torch.tensor([[0.5, 0.5, 0.5], [0.9, 0.1, 0.9]]))
 OLD = torch.log(torch.tensor([[0.5, 0.5, 0.5], [0.9, 0.9, 0.9]]))
@@ -37,27 +38,45 @@ def test_exact_rule_accepts_with_the_current_probability():
     ]
 
 
-def test_store_is_compact_and_round_trips():
+ABC = Prompt((1, 2), Example("abc", "", "test"))
+DEF = Prompt((3,), Example("def", "", "test"))
+
+
+def rollout(prompt, slot, tokens, logprobs, finish, version):
+    return Rollout(prompt, slot, tokens, logprobs, finish, version)
+
+
+def filled_store():
     store = RolloutStore()
-    store.put("abc", 0, [1, 2, 3], [-0.1, -0.2, -0.3], "stop", 4)
-    store.put("abc", 1, [5], [-1.0], "length", 4)
-    store.put("def", 0, [7, 8], [-0.5, -0.5], "stop", 2)
-    store.put("def", 0, [], [], "stop", 3)  # replaces the entry of the same (prompt, slot)
+    store.put(rollout(ABC, 0, [1, 2, 3], [-0.1, -0.2, -0.3], "stop", 4))
+    store.put(rollout(ABC, 1, [5], [-1.0], "length", 4))
+    store.put(rollout(DEF, 0, [7, 8], [-0.5, -0.5], "stop", 2))
+    store.put(rollout(DEF, 0, [], [], "stop", 3))  # replaces the entry of the same (prompt, slot)
+    return store
+
+
+def test_store_is_compact_and_round_trips():
+    store = filled_store()
     assert store.num_tokens == 4
     assert store.nbytes / store.num_tokens == 8  # int32 token + float32 logprob, no padding
     restored = RolloutStore()
     restored.load_state_dict(store.state_dict())
     assert len(restored) == 3
     assert (restored.num_tokens, restored.nbytes) == (store.num_tokens, store.nbytes)
-    entry = restored.get("abc", 0)
-    assert (
-        entry.token_ids.tolist() == [1, 2, 3]
-        and entry.finish_reason == "stop"
-        and entry.policy_step == 4
-    )
-    np.testing.assert_allclose(entry.logprobs, [-0.1, -0.2, -0.3], rtol=1e-6)
-    assert (
-        restored.get("abc", 1).token_ids.tolist() == [5]
-        and restored.get("def", 0).token_ids.tolist() == []
-    )
+    entry = restored.get(ABC.prompt_id, 0)
+    assert entry.token_ids.tolist() == [1, 2, 3]
+    assert entry.finish_reason == "stop" and entry.policy_version == 4
+    np.testing.assert_allclose(entry.current_logprobs, [-0.1, -0.2, -0.3], rtol=1e-6)
+    assert restored.get(ABC.prompt_id, 1).token_ids.tolist() == [5]
+    assert restored.get(DEF.prompt_id, 0).token_ids.tolist() == []
     assert restored.get("xyz", 0) is None
+
+
+def test_store_exports_and_imports_one_prompts_entries():
+    store = filled_store()
+    other = RolloutStore()
+    other.put(rollout(ABC, 0, [9], [-2.0], "length", 1))  # replaced by the import
+    other.import_(store.export([ABC.prompt_id]))
+    assert len(other) == 2 and other.get(DEF.prompt_id, 0) is None
+    assert other.get(ABC.prompt_id, 0).token_ids.tolist() == [1, 2, 3]
+    assert (other.num_tokens, other.nbytes) == (4, 32)

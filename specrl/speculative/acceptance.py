@@ -14,7 +14,7 @@ rejected position (k = draft length when all are accepted).
   P(token = y ≠ d) = (1 - p(d)) · p(y) / (1 - p(d)) = p(y): every rollout is distributed exactly
   as the current policy would sample it, whatever the drafts were.
 
-Both compare like with like: p_new comes from the engine's `score` under the same sampling
+Both compare like with like: p_new comes from the engine's `logprobs` under the same sampling
 params that produced p_old.
 """
 

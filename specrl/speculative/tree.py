@@ -172,36 +172,6 @@ class Cursor:
         return [] if node is None or k <= 0 else self.tree.continuation(node, k)
 
 
-class TreeDrafts:
-    """The draft source of one `generate` call: request i continues the response of prompt
-    `prompt_ids[i]` after `prefixes[i]` (the draft prefix SPEC-RL kept, possibly empty).
-    With `online`, a finished response joins its prompt's tree at once."""
-
-    def __init__(
-        self,
-        tree: TokenTree,
-        prompt_ids: Sequence[str],
-        prefixes: Sequence[Sequence[int]],
-        online: bool,
-    ) -> None:
-        self.tree = tree
-        self.prompt_ids = list(prompt_ids)
-        self.prefixes = [list(p) for p in prefixes]
-        self.online = online
-        self._cursors = [tree.cursor(pid, p) for pid, p in zip(prompt_ids, prefixes, strict=True)]
-
-    def propose(self, request: int, new_tokens: Sequence[int], max_tokens: int) -> list[int]:
-        cursor = self._cursors[request]
-        if cursor is None:
-            return []
-        cursor.extend(new_tokens[len(cursor.tokens) - len(self.prefixes[request]) :])
-        return cursor.propose(max_tokens)
-
-    def finished(self, request: int, new_tokens: Sequence[int]) -> None:
-        if self.online:
-            self.tree.insert(self.prompt_ids[request], self.prefixes[request] + list(new_tokens))
-
-
 class TokenTree:
     """Token trees of every prompt, keyed by prompt id, least recently rolled out first."""
 
@@ -262,9 +232,18 @@ class TokenTree:
         return freed
 
     def state_dict(self) -> dict[str, Any]:
-        prompt_ids, rounds, lengths, tokens, owners = [], [], [], [], []
-        for i, (pid, tree) in enumerate(self._trees.items()):
-            prompt_ids.append(pid)
+        return self.export(self._trees)
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self._trees, self.nodes = OrderedDict(), 0
+        self.import_(state)
+
+    def export(self, prompt_ids: Iterable[str]) -> dict[str, Any]:
+        """The trees of these prompts (those that have one), as flat arrays."""
+        prompt_ids = [p for p in prompt_ids if p in self._trees]
+        rounds, lengths, tokens, owners = [], [], [], []
+        for i, pid in enumerate(prompt_ids):
+            tree = self._trees[pid]
             rounds.append(tree.round)
             for r, response in tree.responses:
                 owners.append((i, r))
@@ -278,14 +257,16 @@ class TokenTree:
             "tokens": np.array(tokens, dtype=np.int32),
         }
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self._trees = OrderedDict((pid, PromptTree()) for pid in state["prompt_ids"])
-        trees = list(self._trees.values())
+    def import_(self, state: dict[str, Any]) -> None:
+        """Add (or replace) the trees `export` gave, as the most recently rolled-out ones."""
+        trees = [PromptTree() for _ in state["prompt_ids"]]
         offsets = np.concatenate([[0], np.cumsum(state["lengths"])])
         for j, (owner, r) in enumerate(state["owners"].tolist()):
             tree = trees[owner]
             tree.round = r
             tree.insert(state["tokens"][offsets[j] : offsets[j + 1]].tolist())
-        for tree, r in zip(trees, state["rounds"].tolist(), strict=True):
+        for pid, tree, r in zip(state["prompt_ids"], trees, state["rounds"].tolist(), strict=True):
             tree.round = r
-        self.nodes = sum(t.nodes for t in trees)
+            old = self._trees.pop(pid, None)
+            self.nodes += tree.nodes - (old.nodes if old is not None else 0)
+            self._trees[pid] = tree

@@ -6,10 +6,10 @@ import random
 import pytest
 import torch
 
-import specrl.engines.hf as hf
 from specrl.engines import GREEDY, GenRequest, SamplingParams
 from specrl.engines.hf import HFEngine
-from specrl.engines.speculation import Drafting, DraftWidth
+from specrl.engines.hf.kv_cache import DecodeCache
+from specrl.speculative.drafting import Drafting, DraftWidth
 from tests.conftest import EOS, PAD, make_tiny_model
 
 PROMPTS = [[3, 4, 5], [6, 7], [2, 3, 4, 5, 6, 7], [8], [9, 10, 11]]
@@ -46,7 +46,7 @@ def test_greedy_with_drafts_equals_greedy_without(engine):
     other = HFEngine(make_tiny_model(seed=3), [EOS], PAD).generate(requests)
     references = [r.token_ids for r in plain[:3]] + [r.token_ids for r in other[3:]]
     source = drafting(references)
-    drafted = engine.generate(requests, source)
+    drafted = engine.generate_with_drafts(requests, source)
     for a, b in zip(plain, drafted, strict=True):
         assert a.token_ids == b.token_ids
         assert a.finish_reason == b.finish_reason
@@ -69,7 +69,7 @@ def test_sampled_tokens_do_not_change_with_drafts(sampling):
     plain = engine.generate(requests)
     # drafts: the same policy's samples under other seeds, so some tokens agree and some do not
     other = engine.generate([GenRequest(r.prompt_ids, 20, sampling, seed=7) for r in requests])
-    drafted = engine.generate(requests, drafting([r.token_ids for r in other], k=6))
+    drafted = engine.generate_with_drafts(requests, drafting([r.token_ids for r in other], k=6))
     for a, b in zip(plain, drafted, strict=True):
         assert a.token_ids == b.token_ids
         assert torch.allclose(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-4)
@@ -81,11 +81,11 @@ def test_first_token_residual_and_forced_prefix_with_drafts(engine):
     sampling = SamplingParams(1.0)
     full = engine.generate([GenRequest(PROMPTS[2], 12, sampling, seed=4)])[0].token_ids
     requests = [
-        GenRequest(PROMPTS[2], 9, sampling, seed=4, prefix_ids=full[:3], reject_token=full[3]),
+        GenRequest(PROMPTS[2], 9, sampling, seed=4, prefix_ids=full[:3], excluded_token=full[3]),
         GenRequest(PROMPTS[0], 9, sampling, seed=5, prefix_ids=full[:2]),
     ]
     plain = engine.generate(requests)
-    drafted = engine.generate(requests, drafting([full[3:], full[2:]]))
+    drafted = engine.generate_with_drafts(requests, drafting([full[3:], full[2:]]))
     assert [r.token_ids for r in plain] == [r.token_ids for r in drafted]
     assert drafted[0].token_ids[0] != full[3]
 
@@ -94,11 +94,11 @@ def test_rejected_draft_columns_are_dropped_from_the_cache(engine, monkeypatch):
     """Junk drafts of 8 tokens per forward: most columns are rejected, the cache is compacted
     several times, and the output is still that of decoding without drafts."""
     calls = []
-    compact = hf.DecodeCache.compact
-    monkeypatch.setattr(hf.DecodeCache, "compact", lambda *a: calls.append(1) or compact(*a))
+    compact = DecodeCache.compact
+    monkeypatch.setattr(DecodeCache, "compact", lambda *a: calls.append(1) or compact(*a))
     requests = [GenRequest(p, 60, SamplingParams(1.0), seed=i) for i, p in enumerate(PROMPTS)]
     plain = engine.generate(requests)
-    drafted = engine.generate(requests, drafting([[]] * len(PROMPTS), k=8))
+    drafted = engine.generate_with_drafts(requests, drafting([[]] * len(PROMPTS), k=8))
     assert [r.token_ids for r in plain] == [r.token_ids for r in drafted]
     assert len(calls) >= 2
 

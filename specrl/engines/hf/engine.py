@@ -1,0 +1,167 @@
+"""Transformers rollout engine: our own decode loop over any local Hugging Face causal LM.
+
+The loop is ours (not `model.generate()`) so that forced prefixes, per-request budgets, seeds and
+multi-token verification of draft tokens are under our control (decode.py). This module is the
+facade: batching, scoring (`logprobs`) and weights. Every capability of the protocol is
+implemented: draft decoding, residual sampling, prefix reuse (a `PrefixCache` handle); no sleep
+(it shares the trainer's device and usually its model object).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, DynamicCache, PreTrainedModel
+
+from specrl.engines.hf.decode import Decoder, left_pad
+from specrl.engines.hf.kv_cache import layers_kv
+from specrl.engines.hf.prefix_cache import PrefixCache
+from specrl.engines.protocol import (
+    Capabilities,
+    Drafter,
+    GenRequest,
+    GenResult,
+    LogprobRequest,
+    distinct_requests,
+)
+from specrl.engines.sampling import RowSampling, sampling_logprobs
+
+
+class HFEngine:
+    """Rollout engine over a transformers model. When it wraps the trainer's own model object the
+    weights are shared, so there is nothing to sync after an update."""
+
+    capabilities = Capabilities(draft_decoding=True, residual_sampling=True, prefix_reuse=True)
+
+    def __init__(
+        self,
+        model: PreTrainedModel,
+        eos_token_ids: Sequence[int],
+        pad_token_id: int,
+        max_batch_size: int = 512,
+    ) -> None:
+        self.model = model
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.pad_token_id = pad_token_id
+        self.max_batch_size = max_batch_size
+
+    @classmethod
+    def from_pretrained(
+        cls, path: str | Path, dtype: torch.dtype = torch.float32, **kwargs
+    ) -> HFEngine:
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
+        eos = model.generation_config.eos_token_id
+        eos_ids = [eos] if isinstance(eos, int) else list(eos or [])
+        pad = model.generation_config.pad_token_id
+        return cls(model, eos_ids, eos_ids[0] if pad is None else pad, **kwargs)
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    def new_prefixes(self) -> PrefixCache:
+        return PrefixCache()
+
+    def generate(
+        self, requests: Sequence[GenRequest], prefixes: PrefixCache | None = None
+    ) -> list[GenResult]:
+        return self._decode(requests, Decoder(*self._decoder_args(), prefixes))
+
+    def generate_with_drafts(
+        self,
+        requests: Sequence[GenRequest],
+        drafter: Drafter,
+        prefixes: PrefixCache | None = None,
+    ) -> list[GenResult]:
+        return self._decode(requests, Decoder(*self._decoder_args(), prefixes, drafter))
+
+    def _decoder_args(self) -> tuple:
+        return self.forward, self.eos_token_ids, self.pad_token_id, self.device
+
+    @torch.inference_mode()
+    def _decode(self, requests: Sequence[GenRequest], decoder: Decoder) -> list[GenResult]:
+        # Longest contexts first: similar lengths share a batch, so little padding is computed.
+        order = sorted(
+            range(len(requests)),
+            key=lambda i: -len(requests[i].prompt_ids) - len(requests[i].prefix_ids),
+        )
+        results: list[GenResult | None] = [None] * len(requests)
+        for start in range(0, len(order), self.max_batch_size):
+            chunk = order[start : start + self.max_batch_size]
+            batch = decoder.decode([requests[i] for i in chunk], chunk)
+            for i, result in zip(chunk, batch, strict=True):
+                results[i] = result
+        return results  # type: ignore[return-value]
+
+    @torch.inference_mode()
+    def logprobs(
+        self, requests: Sequence[LogprobRequest], prefixes: PrefixCache | None = None
+    ) -> list[torch.Tensor]:
+        """One forward pass per batch of up to `max_batch_size` distinct sequences. Identical
+        requests (the n slots of a prompt often hold the same draft) are computed once. With
+        `prefixes`, the KV of every scored sequence is kept there for `generate`."""
+        distinct, where = distinct_requests(requests)
+        scored: list[torch.Tensor] = []
+        for start in range(0, len(distinct), self.max_batch_size):
+            batch = distinct[start : start + self.max_batch_size]
+            scored.extend(self._logprob_batch(batch, prefixes))
+        return [scored[i] for i in where]
+
+    def _logprob_batch(
+        self, requests: Sequence[LogprobRequest], prefixes: PrefixCache | None
+    ) -> list[torch.Tensor]:
+        sequences = [list(r.context_ids) + list(r.target_ids) for r in requests]
+        ids, attention = left_pad(sequences, self.pad_token_id, self.device)  # [B, T]
+        positions = (attention.cumsum(-1) - 1).clamp(min=0)
+        cache = DynamicCache() if prefixes is not None else None
+        # Targets are right-aligned: the logits at column t predict the token at column t + 1, so
+        # only the last n + 1 columns need logits (the prompts' columns only need their KV); the
+        # last one predicts the token after the sequence.
+        n = max(len(r.target_ids) for r in requests)
+        logits = self.forward(ids, attention, positions, cache, keep=n + 1)  # [B, n + 1, V]
+        sampling = RowSampling.of([r.sampling for r in requests], self.device).repeat(n + 1)
+        distributions = sampling_logprobs(logits.reshape(-1, logits.shape[-1]), sampling)
+        distributions = distributions.view(len(requests), n + 1, -1)  # [B, n + 1, V]
+        if prefixes is not None:
+            kv = layers_kv(cache)
+            kept = distributions if _nbytes([distributions]) <= _nbytes(kv) else None
+            prefixes.add(sequences, kv, attention, kept, [r.sampling for r in requests])
+        logprobs = distributions[:, :-1].gather(2, ids[:, -n:, None]).squeeze(2)  # [B, n]
+        return [
+            row[n - len(r.target_ids) :].cpu() for row, r in zip(logprobs, requests, strict=True)
+        ]
+
+    def load_weights(self, state: Mapping[str, torch.Tensor]) -> None:
+        """Copy new weights in (nothing to copy for tensors that already are the engine's, as when
+        it wraps the trainer's model)."""
+        params = self.model.state_dict(keep_vars=True)  # tied weights appear under each name
+        with torch.no_grad():
+            for name, tensor in state.items():
+                if name not in params:
+                    raise KeyError(f"engine model has no parameter {name!r}")
+                if params[name].data_ptr() != tensor.data_ptr():
+                    params[name].copy_(tensor)
+
+    def forward(
+        self,
+        ids: torch.Tensor,
+        attention: torch.Tensor,
+        positions: torch.Tensor,
+        cache: DynamicCache | None,
+        keep: int = 0,
+    ) -> torch.Tensor:
+        """Logits [B, T, V] of the last `keep` columns (0: all of them)."""
+        return self.model(
+            input_ids=ids,
+            attention_mask=attention,
+            position_ids=positions,
+            past_key_values=cache,
+            use_cache=cache is not None,
+            logits_to_keep=keep,
+        ).logits
+
+
+def _nbytes(tensors: list[torch.Tensor]) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)

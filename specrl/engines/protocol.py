@@ -1,0 +1,148 @@
+"""The rollout engine protocol and the request/result shapes every engine speaks.
+
+The required part knows nothing of speculation: `generate`, `logprobs`, `load_weights`. What
+only some engines can do is an optional capability, declared in `Capabilities` and checked once
+by whoever needs it (the speculative stage, the trainer):
+
+- `draft_decoding`: `generate_with_drafts(requests, drafter, prefixes)` verifies up to K draft
+  tokens per sequence in each decode forward (model-free speculative decoding);
+- `residual_sampling`: `GenRequest.excluded_token` is honoured (the first new token is drawn
+  with that token removed and renormalised: the exact acceptance rule's residual);
+- `prefix_reuse`: `new_prefixes()` returns a `Prefixes` handle. `logprobs(..., prefixes=h)` keeps
+  in `h` the KV (and next-token distributions) of every sequence it scores; `generate(...,
+  prefixes=h)` continues a request whose context starts a sequence in `h` from there instead of
+  computing it again. The handle is the whole contract: nothing is kept behind the caller's back,
+  several `logprobs` calls (chunked verification) add to one handle, and it is only valid for
+  the weights it was made with;
+- `sleep`: `sleep()` / `wake_up()` free the accelerator's memory while the trainer updates.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+
+from specrl.types import FinishReason
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """The distribution tokens are drawn from: softmax(logits / temperature), then top-k, then
+    top-p, each renormalised. `temperature == 0` is greedy (a point mass on the argmax)."""
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+GREEDY = SamplingParams(temperature=0.0)
+
+
+@dataclass(frozen=True)
+class GenRequest:
+    """Decode after `prompt_ids + prefix_ids` (the forced prefix is context, not output).
+
+    `excluded_token` (engines with `residual_sampling`): the first new token is drawn from the
+    sampling distribution with this token removed and renormalised. Its reported logprob is
+    under the full distribution.
+    """
+
+    prompt_ids: Sequence[int]
+    max_new_tokens: int
+    sampling: SamplingParams = SamplingParams()
+    seed: int = 0
+    prefix_ids: Sequence[int] = ()
+    excluded_token: int | None = None
+
+
+@dataclass
+class GenResult:
+    token_ids: list[int]
+    logprobs: list[float]  # behaviour logprob of each new token
+    finish_reason: FinishReason
+    forwards: int = 0  # decode forwards this request took part in
+    draft_tokens: int = 0  # draft tokens verified for it (engines with draft_decoding)
+    accepted_tokens: int = 0  # of which accepted
+
+
+@dataclass(frozen=True)
+class LogprobRequest:
+    """Logprob of each target token given `context_ids` and the targets before it."""
+
+    context_ids: Sequence[int]
+    target_ids: Sequence[int]
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    """What an engine can do beyond the required protocol (see the module docstring)."""
+
+    draft_decoding: bool = False
+    residual_sampling: bool = False
+    prefix_reuse: bool = False
+    sleep: bool = False
+
+
+class Prefixes(Protocol):
+    """An engine's handle on the KV of scored sequences (`Capabilities.prefix_reuse`); opaque to
+    callers."""
+
+
+class Drafter(Protocol):
+    """Draft tokens for `generate_with_drafts` and the number K to verify per forward. The engine
+    calls, per decode forward: `worthwhile(B)`, then `propose` per sequence, `choose` once, and
+    `observe` with what was accepted and how long the forward took; `finished` per sequence."""
+
+    max_tokens: int
+
+    def worthwhile(self, batch_size: int) -> bool: ...
+
+    def propose(self, request: int, new_tokens: Sequence[int], max_tokens: int) -> list[int]: ...
+
+    def choose(self, lengths: Sequence[int]) -> int: ...
+
+    def observe(
+        self, proposed: Sequence[int], accepted: Sequence[int], fed_tokens: int, seconds: float
+    ) -> None: ...
+
+    def finished(self, request: int, new_tokens: Sequence[int]) -> None: ...
+
+
+class RolloutEngine(Protocol):
+    eos_token_ids: frozenset[int]
+    capabilities: Capabilities
+
+    def generate(
+        self, requests: Sequence[GenRequest], prefixes: Prefixes | None = None
+    ) -> list[GenResult]: ...
+
+    def logprobs(
+        self, requests: Sequence[LogprobRequest], prefixes: Prefixes | None = None
+    ) -> list[torch.Tensor]: ...
+
+    def load_weights(self, state: Mapping[str, torch.Tensor]) -> None: ...
+
+
+def distinct_requests(
+    requests: Sequence[LogprobRequest],
+) -> tuple[list[LogprobRequest], list[int]]:
+    """Identical requests (the n slots of a prompt often hold the same draft), computed once:
+    → (the distinct requests, the index into them of every request)."""
+    index: dict[tuple, int] = {}
+    distinct: list[LogprobRequest] = []
+    where = []
+    for r in requests:
+        key = (tuple(r.context_ids), tuple(r.target_ids), r.sampling)
+        if key not in index:
+            index[key] = len(distinct)
+            distinct.append(r)
+        where.append(index[key])
+    return distinct, where

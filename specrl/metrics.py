@@ -1,0 +1,64 @@
+"""Per-step metrics of the data a step trained on, under verl's names."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+
+import numpy as np
+import torch
+
+from specrl.types import Rollout
+
+
+@contextmanager
+def timed(metrics: dict[str, float], name: str) -> Iterator[None]:
+    """Add the seconds the block takes to metrics['timing_s/<name>']."""
+    start = time.perf_counter()
+    yield
+    metrics[f"timing_s/{name}"] = metrics.get(f"timing_s/{name}", 0.0) + time.perf_counter() - start
+
+
+def logprob_mismatch(
+    old_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor, mask: torch.Tensor
+) -> dict[str, float]:
+    """How far the rollout engine's logprobs are from the trainer's (0 when they are the same
+    numbers, as with the transformers engine over the trainer's own model). All [B, R]."""
+    diff = (old_logprobs - rollout_logprobs).abs()[mask.bool()]
+    if diff.numel() == 0:
+        return {}
+    return {
+        "rollout_corr/logprob_abs_diff_mean": float(diff.mean()),
+        "rollout_corr/logprob_abs_diff_max": float(diff.max()),
+    }
+
+
+def data_metrics(
+    rollouts: Sequence[Rollout],
+    scores: torch.Tensor,
+    advantages: torch.Tensor,
+    step_time: float,
+) -> dict[str, float]:
+    """scores, advantages [N]: one per rollout."""
+    lengths = torch.tensor([len(r.token_ids) for r in rollouts], dtype=torch.float32)
+    prompt_lengths = torch.tensor([len(r.prompt.ids) for r in rollouts], dtype=torch.float32)
+    total_tokens = float(lengths.sum() + prompt_lengths.sum())
+    return {
+        "critic/score/mean": scores.mean().item(),
+        "critic/rewards/mean": scores.mean().item(),
+        "critic/score/max": scores.max().item(),
+        "critic/score/min": scores.min().item(),
+        "critic/advantages/mean": advantages.mean().item(),
+        "critic/advantages/max": advantages.max().item(),
+        "critic/advantages/min": advantages.min().item(),
+        "response_length/mean": lengths.mean().item(),
+        "response_length/max": lengths.max().item(),
+        "response_length/min": lengths.min().item(),
+        "response_length/clip_ratio": float(
+            np.mean([r.finish_reason == "length" for r in rollouts])
+        ),
+        "prompt_length/mean": prompt_lengths.mean().item(),
+        "perf/total_num_tokens": total_tokens,
+        "perf/throughput": total_tokens / step_time,
+    }

@@ -1,0 +1,418 @@
+"""The speculative rollout stage: prompts → n rollouts per prompt (slots), grouped by prompt.
+
+`SpeculativeStage` owns everything speculative: the `RolloutStore` of drafts, the token trees
+and the draft-width statistics. Every call runs drafts → verify → cut → continue → assemble →
+store (DESIGN.md); with speculation off, or for a prompt seen for the first time, it is plain
+sampling through the same code path. It returns ordinary rollouts and a `RolloutStats` of
+counts. Its state is saved whole (`state_dict`) or per prompt (`export` / `import_`: a prompt's
+drafts and tree, what moves with a prompt between workers that own shards of prompts).
+`sample_rollouts` is plain sampling without a stage (evaluation).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from specrl.config import SpecConfig
+from specrl.engines import (
+    GenRequest,
+    GenResult,
+    LogprobRequest,
+    Prefixes,
+    RolloutEngine,
+    SamplingParams,
+)
+from specrl.engines.sampling import seeded_uniform
+from specrl.errors import UserError
+from specrl.speculative.acceptance import (
+    accept_mask,
+    cut_indices,
+    log_acceptance,
+    specrl_behaviour_logprobs,
+)
+from specrl.speculative.drafting import Drafting, DraftWidth, TreeDrafts
+from specrl.speculative.stats import RolloutStats
+from specrl.speculative.store import RolloutStore, StoredRollout
+from specrl.speculative.tree import TokenTree
+from specrl.types import Prompt, Rollout
+
+
+def rollout_seed(*key: object) -> int:
+    """A 63-bit seed from a key such as (run seed, step, prompt id, slot): fresh for every step,
+    independent of batch composition and order."""
+    digest = hashlib.blake2b(repr(key).encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 1
+
+
+def sample_rollouts(
+    engine: RolloutEngine,
+    prompts: Sequence[Prompt],
+    n: int,
+    sampling: SamplingParams,
+    max_response_length: int,
+    seed_key: tuple,
+    policy_version: int,
+) -> list[Rollout]:
+    """Plain sampling → len(prompts) * n rollouts, prompt-major (a prompt's slots contiguous)."""
+    slots = [(p, s) for p in prompts for s in range(n)]
+    requests = [
+        GenRequest(p.ids, max_response_length, sampling, rollout_seed(*seed_key, p.prompt_id, s))
+        for p, s in slots
+    ]
+    results = engine.generate(requests)
+    return [
+        Rollout(p, s, r.token_ids, r.logprobs, r.finish_reason, policy_version)
+        for (p, s), r in zip(slots, results, strict=True)
+    ]
+
+
+@dataclass
+class Verified:
+    """Outcome of verifying one draft: the cut index and the current logprobs of the draft tokens
+    scored (all of them, or up to the cut's chunk in chunked verification)."""
+
+    cut: int
+    scored: list[float]
+
+    @property
+    def kept_logprobs(self) -> list[float]:
+        """Current logprobs of the kept tokens, draft[:cut]."""
+        return self.scored[: self.cut]
+
+
+@dataclass
+class _Slot:
+    """One slot of a call as it moves through the stage."""
+
+    prompt: Prompt
+    slot: int
+    seed: int
+    draft: StoredRollout | None = None
+    verified: Verified | None = None
+
+    @property
+    def kept(self) -> list[int]:
+        return [] if self.verified is None else self.draft.token_ids[: self.verified.cut].tolist()
+
+
+class SpeculativeStage:
+    def __init__(
+        self,
+        engine: RolloutEngine,
+        sampling: SamplingParams,
+        max_response_length: int,
+        cfg: SpecConfig,
+    ) -> None:
+        capabilities = engine.capabilities
+        if cfg.enabled and cfg.acceptance == "exact" and not capabilities.residual_sampling:
+            raise UserError(
+                "rollout.spec.acceptance=exact needs an engine that samples from residuals; "
+                "use rollout.spec.acceptance=specrl on this engine"
+            )
+        if cfg.tree.enabled is True and not capabilities.draft_decoding:
+            raise UserError(
+                "rollout.spec.tree.enabled=true needs an engine that decodes with drafts "
+                "(rollout.name=hf); use auto or false"
+            )
+        self.engine = engine
+        self.sampling = sampling
+        self.max_response_length = max_response_length
+        self.cfg = cfg
+        self.store = RolloutStore()
+        uses_tree = cfg.uses_tree(capabilities.draft_decoding)
+        self.tree = TokenTree(cfg.tree.window, cfg.tree.max_nodes) if uses_tree else None
+        self.draft_width = DraftWidth(cfg.tree.max_draft_tokens, cfg.tree.adaptive)
+
+    @property
+    def lenient(self) -> bool:
+        return self.cfg.enabled and self.cfg.acceptance == "specrl"
+
+    def __call__(
+        self, prompts: Sequence[Prompt], n: int, seed_key: tuple, policy_version: int
+    ) -> tuple[list[Rollout], RolloutStats]:
+        start = time.perf_counter()
+        stats = RolloutStats(tree=self.tree is not None, lenient=self.lenient)
+        slots = [
+            _Slot(p, s, rollout_seed(*seed_key, p.prompt_id, s), self._draft(p, s))
+            for p in prompts
+            for s in range(n)
+        ]
+        prefixes = self.engine.new_prefixes() if self.engine.capabilities.prefix_reuse else None
+        self._verify(slots, seed_key, prefixes, stats)
+        requests = {i: r for i, s in enumerate(slots) if (r := self._continuation(s)) is not None}
+        drafting = self._tree_drafting(slots, requests, stats)
+        gen_start = time.perf_counter()
+        results = dict(zip(requests, self._generate(requests, drafting, prefixes), strict=True))
+        stats.gen_s += time.perf_counter() - gen_start
+        if self.tree is not None:
+            if not self.cfg.tree.online:
+                self.tree.insert_all(
+                    (slots[i].prompt.prompt_id, [*requests[i].prefix_ids, *r.token_ids])
+                    for i, r in results.items()
+                )
+            stats.tree_evicted_nodes += self.tree.evict()
+        rollouts = [self._assemble(s, results.get(i), policy_version) for i, s in enumerate(slots)]
+        if self.lenient:
+            behaviour_start = time.perf_counter()
+            rollouts = self._lenient_behaviour(slots, rollouts, stats)
+            stats.verify_s += time.perf_counter() - behaviour_start
+        if self.cfg.enabled:
+            for r in rollouts:
+                self.store.put(r)
+        stats.rollout_s += time.perf_counter() - start
+        self._count(stats, slots, rollouts, results)
+        return rollouts, stats
+
+    # ---------------------------------------------------------------- state
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "store": self.store.state_dict(),
+            "tree": None if self.tree is None else self.tree.state_dict(),
+            "draft_width": self.draft_width.state_dict(),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.store.load_state_dict(state["store"])
+        if self.tree is not None and state["tree"] is not None:
+            self.tree.load_state_dict(state["tree"])
+        self.draft_width.load_state_dict(state["draft_width"])
+
+    def export(self, prompt_ids: Iterable[str]) -> dict[str, Any]:
+        """The per-prompt state of these prompts: their drafts (every slot) and token trees."""
+        prompt_ids = list(prompt_ids)
+        return {
+            "store": self.store.export(prompt_ids),
+            "tree": None if self.tree is None else self.tree.export(prompt_ids),
+        }
+
+    def import_(self, state: dict[str, Any]) -> None:
+        """Take over prompts `export` gave (replacing what this stage held for them)."""
+        self.store.import_(state["store"])
+        if self.tree is not None and state["tree"] is not None:
+            self.tree.import_(state["tree"])
+
+    # ---------------------------------------------------------------- drafts and verification
+    def _draft(self, prompt: Prompt, slot: int) -> StoredRollout | None:
+        if not self.cfg.enabled:
+            return None
+        draft = self.store.get(prompt.prompt_id, slot)
+        return draft if draft is not None and len(draft) > 0 else None
+
+    def _verify(
+        self, slots: list[_Slot], seed_key: tuple, prefixes: Prefixes | None, stats: RolloutStats
+    ) -> None:
+        """Set the cut index and current logprobs of every slot with a draft. `full` scores every
+        draft token in one pass; `chunked` scores verify_chunk_size tokens per pass and drops each
+        draft from later passes at its first rejection."""
+        started = time.perf_counter()
+        todo = [s for s in slots if s.draft is not None]
+        targets = {id(s): s.draft.token_ids[: self.max_response_length].tolist() for s in todo}
+        chunk = (
+            self.cfg.verify_chunk_size
+            if self.cfg.verify_mode == "chunked"
+            else self.max_response_length
+        )
+        new: dict[int, list[float]] = {id(s): [] for s in todo}
+        active, offset = todo, 0
+        while active:
+            requests = [
+                LogprobRequest(
+                    [*s.prompt.ids, *targets[id(s)][:offset]],
+                    targets[id(s)][offset : offset + chunk],
+                    self.sampling,
+                )
+                for s in active
+            ]
+            for s, logprobs in zip(active, self.engine.logprobs(requests, prefixes), strict=True):
+                new[id(s)].extend(logprobs.tolist())
+                stats.verified_tokens += len(logprobs)
+            cuts = self._cuts(
+                [new[id(s)] for s in active],
+                [s.draft.current_logprobs for s in active],
+                [rollout_seed(*seed_key, s.prompt.prompt_id, s.slot, "verify") for s in active],
+            )
+            still = []
+            for s, k in zip(active, cuts, strict=True):
+                if k < len(new[id(s)]) or len(new[id(s)]) == len(targets[id(s)]):
+                    s.verified = Verified(k, new[id(s)])
+                else:
+                    still.append(s)
+            active, offset = still, offset + chunk
+        stats.verify_s += time.perf_counter() - started
+
+    def _cuts(self, new: list[list[float]], old: list[np.ndarray], seeds: list[int]) -> list[int]:
+        """The acceptance rule over a batch of verified prefixes (ragged → padded [B, T])."""
+        lengths = torch.tensor([len(x) for x in new])
+        width = int(lengths.max())
+        new_t = torch.zeros(len(new), width, dtype=torch.float64)
+        old_t = torch.zeros(len(new), width, dtype=torch.float64)
+        for row, (x, y) in enumerate(zip(new, old, strict=True)):
+            new_t[row, : len(x)] = torch.tensor(x, dtype=torch.float64)
+            old_t[row, : len(x)] = torch.from_numpy(y[: len(x)]).double()
+        uniforms = seeded_uniform(
+            torch.tensor(seeds)[:, None], torch.arange(width)[None, :]
+        )  # [B, T]
+        accepted = accept_mask(new_t, old_t, uniforms, self.cfg.acceptance, self.cfg.log_lenience)
+        return cut_indices(accepted, lengths).tolist()
+
+    # ---------------------------------------------------------------- decoding
+    def _continuation(self, s: _Slot) -> GenRequest | None:
+        """What is left to decode for a slot, or None when its draft is reused whole."""
+        R = self.max_response_length
+        if s.verified is None:
+            return GenRequest(s.prompt.ids, R, self.sampling, s.seed)
+        cut = s.verified.cut
+        whole = cut == len(s.draft)
+        if whole and (s.draft.finish_reason == "stop" or cut >= R):
+            return None
+        excluded = None
+        if not whole and self.cfg.acceptance == "exact" and cut < R:
+            excluded = int(s.draft.token_ids[cut])
+        return GenRequest(s.prompt.ids, R - cut, self.sampling, s.seed, s.kept, excluded)
+
+    def _generate(
+        self,
+        requests: dict[int, GenRequest],
+        drafting: Drafting | None,
+        prefixes: Prefixes | None,
+    ) -> list[GenResult]:
+        if drafting is None:
+            return self.engine.generate(list(requests.values()), prefixes)
+        return self.engine.generate_with_drafts(list(requests.values()), drafting, prefixes)
+
+    def _tree_drafting(
+        self, slots: list[_Slot], requests: dict[int, GenRequest], stats: RolloutStats
+    ) -> Drafting | None:
+        """Start a round for every prompt of the batch (dropping responses outside the window),
+        add the drafts reused whole (they are final already), and give the engine a drafter
+        over the trees: none when every tree the requests would draft from is empty and stays so
+        (prompts rolled out for the first time, without online trees)."""
+        if self.tree is None:
+            return None
+        for pid in dict.fromkeys(s.prompt.prompt_id for s in slots):
+            stats.tree_evicted_nodes += self.tree.begin(pid)
+        self.tree.insert_all(
+            (s.prompt.prompt_id, s.kept) for i, s in enumerate(slots) if i not in requests
+        )
+        prompt_ids = [slots[i].prompt.prompt_id for i in requests]
+        if not self.cfg.tree.online and all(self.tree.get(p).nodes == 0 for p in prompt_ids):
+            return None
+        source = TreeDrafts(
+            self.tree, prompt_ids, [r.prefix_ids for r in requests.values()], self.cfg.tree.online
+        )
+        return Drafting(source, self.draft_width)
+
+    # ---------------------------------------------------------------- assemble
+    def _assemble(self, s: _Slot, result: GenResult | None, version: int) -> Rollout:
+        kept_logprobs = [] if s.verified is None else s.verified.kept_logprobs
+        if result is None:  # reused whole
+            finish = s.draft.finish_reason if s.verified.cut == len(s.draft) else "length"
+            return Rollout(s.prompt, s.slot, s.kept, list(kept_logprobs), finish, version)
+        return Rollout(
+            s.prompt,
+            s.slot,
+            s.kept + result.token_ids,
+            list(kept_logprobs) + result.logprobs,
+            result.finish_reason,
+            version,
+        )
+
+    def _lenient_behaviour(
+        self, slots: list[_Slot], rollouts: list[Rollout], stats: RolloutStats
+    ) -> list[Rollout]:
+        """The rollouts with the behaviour logprobs of every drafted one
+        (`specrl_behaviour_logprobs`). The current logprob of the draft token where a response
+        first leaves its draft is known from verification, except past the chunks chunked
+        verification scored: those are scored here, in one batch."""
+        drafted = [i for i, s in enumerate(slots) if s.verified is not None]
+        matched = {
+            i: _common_prefix(rollouts[i].token_ids, slots[i].draft.token_ids) for i in drafted
+        }
+        leaves = [
+            i for i in drafted if matched[i] < min(len(rollouts[i].token_ids), len(slots[i].draft))
+        ]
+        mismatch = {
+            i: slots[i].verified.scored[matched[i]]
+            for i in leaves
+            if matched[i] < len(slots[i].verified.scored)
+        }
+        unscored = [i for i in leaves if i not in mismatch]
+        requests = [
+            LogprobRequest(
+                [*slots[i].prompt.ids, *rollouts[i].token_ids[: matched[i]]],
+                [int(slots[i].draft.token_ids[matched[i]])],
+                self.sampling,
+            )
+            for i in unscored
+        ]
+        extra = self.engine.logprobs(requests) if requests else []
+        mismatch.update({i: float(lp[0]) for i, lp in zip(unscored, extra, strict=True)})
+        # α of the draft tokens each response follows, then of the one where it leaves its draft,
+        # for all rollouts at once (flat)
+        new = [
+            [*rollouts[i].current_logprobs[: matched[i]], *([mismatch[i]] if i in mismatch else [])]
+            for i in drafted
+        ]
+        old = [slots[i].draft.current_logprobs[: len(x)] for i, x in zip(drafted, new, strict=True)]
+        log_alpha = log_acceptance(
+            torch.tensor([p for x in new for p in x], dtype=torch.float64),
+            torch.from_numpy(np.concatenate(old or [np.zeros(0)])).double(),
+            "specrl",
+            self.cfg.log_lenience,
+        ).tolist()
+        out, start = list(rollouts), 0
+        for i, x in zip(drafted, new, strict=True):
+            r = rollouts[i]
+            behaviour = specrl_behaviour_logprobs(
+                r.current_logprobs, matched[i], log_alpha[start : start + len(x)]
+            )
+            start += len(x)
+            stats.behaviour_gap_sum += sum(
+                abs(q - p) for q, p in zip(behaviour, r.current_logprobs, strict=True)
+            )
+            stats.behaviour_gap_tokens += len(behaviour)
+            out[i] = dataclasses.replace(r, behaviour_logprobs=behaviour)
+        return out
+
+    def _count(
+        self,
+        stats: RolloutStats,
+        slots: list[_Slot],
+        rollouts: list[Rollout],
+        results: dict[int, GenResult],
+    ) -> None:
+        stats.rollouts += len(rollouts)
+        stats.drafts += sum(s.verified is not None for s in slots)
+        stats.fully_reused += len(rollouts) - len(results)
+        stats.reused_tokens += sum(s.verified.cut for s in slots if s.verified is not None)
+        stats.decoded_tokens += sum(len(r.token_ids) for r in results.values())
+        stats.response_tokens += sum(len(r.token_ids) for r in rollouts)
+        stats.store_entries = len(self.store)
+        stats.store_tokens = self.store.num_tokens
+        stats.store_bytes = self.store.nbytes
+        if self.tree is not None:
+            for r in results.values():
+                stats.tree_forwards += r.forwards
+                stats.tree_draft_tokens += r.draft_tokens
+                stats.tree_accepted_tokens += r.accepted_tokens
+            for k, forwards in self.draft_width.reset_choices().items():
+                stats.tree_width_forwards += forwards
+                stats.tree_width_sum += k * forwards
+            stats.tree_nodes = self.tree.nodes
+            stats.tree_prompts = len(self.tree)
+            stats.tree_acceptance_estimate = self.draft_width.acceptance
+
+
+def _common_prefix(tokens: Sequence[int], draft: np.ndarray) -> int:
+    """How many leading tokens of a response equal its draft's (a numpy array)."""
+    n = min(len(tokens), len(draft))
+    differ = (np.asarray(tokens[:n]) != draft[:n]).nonzero()[0]
+    return int(differ[0]) if len(differ) else n

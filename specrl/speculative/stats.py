@@ -1,0 +1,135 @@
+"""What a rollout stage did, as counts; every `spec/*` ratio is derived from them in one place.
+
+The stage returns one `RolloutStats` per call. Counts add up (over the rollout batches of a step
+under DAPO dynamic sampling, over the steps of a run in `specrl bench`); gauges (sizes of the
+store and the trees) keep the latest value. `metrics()` gives the logged names: the counts
+themselves, so that any span of a run's metrics can be summed back into a `RolloutStats`
+(`from_metrics`), and the ratios of `ratios()`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field, fields
+
+GAUGE = {"gauge": True}
+
+
+@dataclass
+class RolloutStats:
+    rollouts: int = 0
+    drafts: int = 0  # rollouts that had a draft to verify
+    fully_reused: int = 0  # rollouts reused whole: nothing decoded
+    reused_tokens: int = 0  # draft tokens kept (the cut index k, summed)
+    decoded_tokens: int = 0  # tokens decoded by the engine
+    verified_tokens: int = 0  # draft tokens scored by verification
+    response_tokens: int = 0
+    behaviour_gap_sum: float = 0.0  # Σ |log q − log p| over the tokens of drafted rollouts
+    behaviour_gap_tokens: int = 0  # (lenient specrl rule only)
+    tree_forwards: int = 0  # decode forwards summed over sequences (tree drafts)
+    tree_draft_tokens: int = 0
+    tree_accepted_tokens: int = 0
+    tree_width_forwards: int = 0  # forwards for which the draft width K was chosen
+    tree_width_sum: int = 0  # Σ K over them
+    tree_evicted_nodes: int = 0
+    verify_s: float = 0.0
+    gen_s: float = 0.0
+    rollout_s: float = 0.0
+    store_entries: int = field(default=0, metadata=GAUGE)
+    store_tokens: int = field(default=0, metadata=GAUGE)
+    store_bytes: int = field(default=0, metadata=GAUGE)
+    tree: bool = field(default=False, metadata=GAUGE)  # token-tree drafts in use
+    lenient: bool = field(default=False, metadata=GAUGE)  # the lenient rule decided tokens
+    tree_nodes: int = field(default=0, metadata=GAUGE)
+    tree_prompts: int = field(default=0, metadata=GAUGE)
+    tree_acceptance_estimate: float = field(default=0.0, metadata=GAUGE)
+
+    def __add__(self, other: RolloutStats) -> RolloutStats:
+        return RolloutStats(
+            **{
+                f.name: getattr(other, f.name)
+                if f.metadata.get("gauge")
+                else getattr(self, f.name) + getattr(other, f.name)
+                for f in fields(self)
+            }
+        )
+
+    @classmethod
+    def total(cls, stats: Iterable[RolloutStats]) -> RolloutStats:
+        return sum(stats, cls())
+
+    def ratios(self) -> dict[str, float]:
+        """The derived quantities, with the names they are logged under."""
+        out = {
+            "spec/reused_token_ratio": self.reused_tokens / max(self.response_tokens, 1),
+            "spec/full_reuse_ratio": self.fully_reused / max(self.rollouts, 1),
+            "spec/draft_ratio": self.drafts / max(self.rollouts, 1),
+            "spec/mean_cut_index": self.reused_tokens / max(self.drafts, 1),
+            "spec/verified_token_ratio": self.verified_tokens / max(self.response_tokens, 1),
+            "spec/store_bytes_per_token": self.store_bytes / max(self.store_tokens, 1),
+        }
+        if self.lenient:
+            out["spec/behaviour_logprob_gap"] = self.behaviour_gap_sum / max(
+                self.behaviour_gap_tokens, 1
+            )
+        if self.tree:
+            # tokens a sequence gains per decode forward: accepted draft tokens + the one sampled
+            out["spec/tree/mean_accepted_per_forward"] = self.decoded_tokens / max(
+                self.tree_forwards, 1
+            )
+            out["spec/tree/acceptance_rate"] = self.tree_accepted_tokens / max(
+                self.tree_draft_tokens, 1
+            )
+            out["spec/tree/mean_width"] = self.tree_width_sum / max(self.tree_width_forwards, 1)
+        return out
+
+    def metrics(self) -> dict[str, float]:
+        """Counts, gauges and ratios under their logged names (tree and lenient-rule names only
+        where those are in use)."""
+        out = {
+            key: float(getattr(self, name))
+            for name, key in METRIC_NAMES.items()
+            if self._applies(name)
+        }
+        return {**out, **self.ratios()}
+
+    @classmethod
+    def from_metrics(cls, metrics: Mapping[str, float]) -> RolloutStats:
+        """The counts and gauges back from one step's logged metrics."""
+        values = {name: metrics[key] for name, key in METRIC_NAMES.items() if key in metrics}
+        values["tree"] = "spec/tree/forwards" in metrics
+        values["lenient"] = "spec/behaviour_gap_sum" in metrics
+        return cls(**values)
+
+    def _applies(self, name: str) -> bool:
+        if name.startswith("tree_"):
+            return self.tree
+        return self.lenient or not name.startswith("behaviour_")
+
+
+METRIC_NAMES = {
+    "rollouts": "spec/rollouts",
+    "drafts": "spec/drafts",
+    "fully_reused": "spec/fully_reused",
+    "reused_tokens": "spec/reused_tokens",
+    "decoded_tokens": "spec/decoded_tokens",
+    "verified_tokens": "spec/verified_tokens",
+    "response_tokens": "spec/response_tokens",
+    "behaviour_gap_sum": "spec/behaviour_gap_sum",
+    "behaviour_gap_tokens": "spec/behaviour_gap_tokens",
+    "tree_forwards": "spec/tree/forwards",
+    "tree_draft_tokens": "spec/tree/draft_tokens",
+    "tree_accepted_tokens": "spec/tree/accepted_tokens",
+    "tree_width_forwards": "spec/tree/width_forwards",
+    "tree_width_sum": "spec/tree/width_sum",
+    "tree_evicted_nodes": "spec/tree/evicted_nodes",
+    "verify_s": "timing_s/verify",
+    "gen_s": "timing_s/gen",
+    "rollout_s": "timing_s/rollout",
+    "store_entries": "spec/store_entries",
+    "store_tokens": "spec/store_tokens",
+    "store_bytes": "spec/store_bytes",
+    "tree_nodes": "spec/tree/nodes",
+    "tree_prompts": "spec/tree/prompts",
+    "tree_acceptance_estimate": "spec/tree/acceptance_estimate",
+}

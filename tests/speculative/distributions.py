@@ -1,0 +1,48 @@
+"""Exact response distributions of tiny policies, for the chi-square tests of the acceptance
+rules (test_stage.py) and of tree drafts (test_tree.py)."""
+
+from itertools import product
+
+import pytest
+from scipy.stats import chisquare
+
+from specrl.engines import LogprobRequest, SamplingParams
+from specrl.engines.hf import HFEngine
+from tests.conftest import EOS, PAD, make_tiny_model
+
+SAMPLING = SamplingParams(1.0)
+
+
+def response_probabilities(engine, prompt, vocab, max_len):
+    """Exact probability of every complete response (ends at EOS or at max_len tokens)."""
+    responses = [
+        seq
+        for length in range(1, max_len + 1)
+        for seq in product(range(vocab), repeat=length)
+        if EOS not in seq[:-1] and (seq[-1] == EOS or length == max_len)
+    ]
+    scores = engine.logprobs([LogprobRequest(prompt, list(seq), SAMPLING) for seq in responses])
+    return {seq: float(s.double().sum().exp()) for seq, s in zip(responses, scores, strict=True)}
+
+
+def distribution_pvalue(engine, prompt, rollouts, vocab, max_len):
+    """Chi-square p-value of the complete responses in `rollouts` against `engine`'s exact
+    response distribution; rare responses share one bin so every expected count is ≥ 5."""
+    n = len(rollouts)
+    probs = response_probabilities(engine, prompt.ids, vocab, max_len)
+    assert sum(probs.values()) == pytest.approx(1.0, abs=1e-4)
+    counts = dict.fromkeys(probs, 0)
+    for r in rollouts:
+        counts[tuple(r.token_ids)] += 1
+    common = [seq for seq, p in probs.items() if p * n >= 5]
+    observed = [counts[s] for s in common] + [n - sum(counts[s] for s in common)]
+    expected = [probs[s] * n for s in common] + [n - sum(probs[s] * n for s in common)]
+    return chisquare(observed, expected, sum_check=False).pvalue
+
+
+def target_and_drafter(vocab, batch):
+    """The current policy and another one whose samples serve as adversarial drafts."""
+    return tuple(
+        HFEngine(make_tiny_model(seed=s, vocab_size=vocab, init=0.5), [EOS], PAD, batch)
+        for s in (5, 9)
+    )
