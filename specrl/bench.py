@@ -112,7 +112,7 @@ def summarize(
     and token counts are totals over all seeds (summed `RolloutStats`), final accuracies the
     mean over seeds (each seed's under `arms.<arm>.final_acc_per_seed`)."""
     steps = {arm: [m for h in hs for m in _train_steps(h)] for arm, hs in runs.items()}
-    totals = {arm: _stats(s) for arm, s in steps.items()}
+    totals = {arm: RolloutStats.of_steps(s) for arm, s in steps.items()}
     final = {arm: [_last(h, "val/acc/mean@1") for h in hs] for arm, hs in runs.items()}
     step_time = {arm: _total(s, "timing_s/step") for arm, s in steps.items()}
     result: dict[str, Any] = {}
@@ -181,7 +181,7 @@ def _spec_rl(
         vanilla.gen_s / max(vanilla.decoded_tokens, 1)
     )
     a = spec.ratios()["spec/reused_token_ratio"]
-    later = _stats([m for m in s_steps if m["training/epoch"] >= 1]).ratios()
+    later = RolloutStats.of_steps([m for m in s_steps if m["training/epoch"] >= 1]).ratios()
     return {
         "rollout_speedup": vanilla.rollout_s / spec.rollout_s,
         "step_speedup": step_time["vanilla"] / step_time["spec"],
@@ -195,10 +195,6 @@ def _spec_rl(
         "step_time_s": {"vanilla": step_time["vanilla"], "spec": step_time["spec"]},
         "decoded_tokens": {"vanilla": vanilla.decoded_tokens, "spec": spec.decoded_tokens},
     }
-
-
-def _stats(steps: list[dict[str, float]]) -> RolloutStats:
-    return RolloutStats.total(RolloutStats.from_metrics(m) for m in steps)
 
 
 def _uses_tree(steps: Iterable[dict[str, float]]) -> bool:

@@ -53,9 +53,7 @@ def report(run_dir: Path, console: Console | None = None) -> Path:
             steps[-1].get("response_length/mean") if steps else None
         ),
         "spec/reused_token_ratio, whole run": _fmt(
-            RolloutStats.total(map(RolloutStats.from_metrics, steps)).ratios()[
-                "spec/reused_token_ratio"
-            ]
+            RolloutStats.of_steps(steps).ratios()["spec/reused_token_ratio"]
         ),
         "rollout time per step (s), mean": _fmt(_mean(steps, "timing_s/rollout")),
         "step time (s), mean": _fmt(_mean(steps, "timing_s/step")),

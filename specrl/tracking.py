@@ -22,6 +22,7 @@ from rich.progress import (
 from rich.table import Table
 
 from specrl.errors import UserError
+from specrl.speculative.stats import RolloutStats
 
 LIVE_METRICS = {
     "critic/score/mean": "score",
@@ -130,25 +131,32 @@ class Tracker:
 
             yield advance
 
-    def summary(self, summary: dict[str, float]) -> None:
-        if not self.use_console or not self.history:
-            return
-        table = Table(title="specrl run summary")
-        table.add_column("metric")
-        table.add_column("value", justify="right")
-        rows = {
+    def summary(self) -> dict[str, float]:
+        """The run's headline numbers, printed as a table on the console: → them."""
+        history = self.history
+        spec = RolloutStats.of_steps(history)
+        summary = {
             "steps": self.last("training/global_step"),
-            "val/acc/mean@1 before": summary.get("val_acc_before"),
-            "val/acc/mean@1 after": summary.get("val_acc_after"),
+            "val/acc/mean@1 before": history[0].get("val/acc/mean@1")
+            if history and history[0]["training/global_step"] == 0
+            else None,
+            "val/acc/mean@1 after": self.last("val/acc/mean@1"),
             "critic/score/mean (last step)": self.last("critic/score/mean"),
             "response_length/mean (last step)": self.last("response_length/mean"),
-            "rollout time, total (s)": sum(m.get("timing_s/rollout", 0.0) for m in self.history),
-            "train time, total (s)": sum(m.get("timing_s/step", 0.0) for m in self.history),
+            "spec/reused_token_ratio (whole run)": spec.ratios()["spec/reused_token_ratio"],
+            "decoded tokens saved by reuse": spec.reused_tokens,
+            "rollout time, total (s)": spec.rollout_s,
+            "train time, total (s)": sum(m.get("timing_s/step", 0.0) for m in history),
         }
-        for name, value in rows.items():
-            if value is not None:
+        summary = {name: value for name, value in summary.items() if value is not None}
+        if self.use_console and history:
+            table = Table(title="specrl run summary")
+            table.add_column("metric")
+            table.add_column("value", justify="right")
+            for name, value in summary.items():
                 table.add_row(name, f"{value:.4g}")
-        self.console.print(table)
+            self.console.print(table)
+        return summary
 
 
 def _optional(module: str, extra: str):

@@ -12,21 +12,20 @@ import numpy as np
 import torch
 
 from specrl.actor.batch import TrainBatch
-from specrl.actor.policy import eos_token_ids, load_policy, reference_policy
-from specrl.actor.update import Actor
+from specrl.actor.policy import eos_token_ids, load_actor
 from specrl.algorithms.advantages import compute_advantages
 from specrl.algorithms.dapo import groups_with_signal
-from specrl.algorithms.losses import ClipConfig, rollout_is_weights
+from specrl.algorithms.rollout_correction import correction_weights
 from specrl.checkpoint import load_trainer_state, resolve_resume, restore, save_checkpoint
 from specrl.config import Config, save_config
 from specrl.data import PromptLoader, load_prompts
-from specrl.engines import GREEDY, SamplingParams
-from specrl.engines.build import build_engine
-from specrl.engines.hf import HFEngine
+from specrl.engines import SamplingParams
+from specrl.engines.build import build_engine, logprobs_are_the_trainers
 from specrl.errors import UserError
+from specrl.evaluation import evaluate
 from specrl.metrics import data_metrics, logprob_mismatch, timed
 from specrl.rewards import Scores, load_reward_function, score_rollouts
-from specrl.speculative.stage import SpeculativeStage, sample_rollouts
+from specrl.speculative.stage import SpeculativeStage
 from specrl.speculative.stats import RolloutStats
 from specrl.toy_policy import ensure_toy_policy
 from specrl.tracking import Tracker
@@ -60,19 +59,8 @@ class Trainer:
         self.resume_from = resolve_resume(cfg.trainer.resume_mode, self.run_dir)
         state = load_trainer_state(self.resume_from) if self.resume_from else None
         model_dir = self.resume_from or cfg.model.path or ensure_toy_policy(log=log)
-        policy, self.tokenizer = load_policy(model_dir, cfg.model.dtype, log=log)
-        reference = None
-        if cfg.actor.use_kl_loss:
-            resumed = self.resume_from is not None
-            reference = reference_policy(policy, cfg.model.path, resumed, cfg.model.dtype, log)
-        clip = ClipConfig(
-            cfg.actor.clip_ratio_low,
-            cfg.actor.clip_ratio_high,
-            cfg.actor.clip_ratio_c,
-            cfg.actor.loss_agg_mode,
-            cfg.data.max_response_length,
-        )
-        self.actor = Actor(policy, cfg.actor, clip, cfg.rollout.temperature, reference)
+        self.actor, self.tokenizer = load_actor(cfg, model_dir, self.resume_from is not None, log)
+        policy = self.actor.policy
         eos_ids = eos_token_ids(policy, self.tokenizer)
         self.engine = build_engine(cfg, policy, eos_ids, self.tokenizer.pad_token_id, model_dir)
         train, self.val_prompts = load_prompts(cfg.data, self.tokenizer, cfg.trainer.seed, log)
@@ -88,14 +76,8 @@ class Trainer:
         self.stage = SpeculativeStage(
             self.engine, sampling, cfg.data.max_response_length, cfg.rollout.spec
         )
-        # Rollout logprobs are the trainer's own old log-probs when the engine runs the trainer's
-        # model and samples from softmax(logits / T) untruncated: no recomputation needed.
-        self.rollout_logprobs_are_old_logprobs = (
-            isinstance(self.engine, HFEngine)
-            and self.engine.model is policy
-            and sampling.temperature > 0
-            and sampling.top_p == 1
-            and sampling.top_k == 0
+        self.rollout_logprobs_are_old_logprobs = logprobs_are_the_trainers(
+            self.engine, policy, sampling
         )
         self.global_step = 0
         self.bad_steps = 0  # consecutive steps with skipped (non-finite) updates
@@ -151,22 +133,7 @@ class Trainer:
         finally:
             gc.unfreeze()
             self.tracker.close()
-        summary = self._summary()
-        self.tracker.summary(summary)
-        return summary
-
-    def _summary(self) -> dict[str, float]:
-        history = self.tracker.history
-        summary: dict[str, float] = {}
-        if history and history[0].get("training/global_step") == 0:
-            summary["val_acc_before"] = history[0].get("val/acc/mean@1")
-        summary["val_acc_after"] = self.tracker.last("val/acc/mean@1")
-        spec = RolloutStats.total(
-            RolloutStats.from_metrics(m) for m in history if m["training/global_step"] > 0
-        )
-        summary["reused_token_ratio"] = spec.ratios()["spec/reused_token_ratio"]
-        summary["decoded_tokens_saved"] = spec.reused_tokens
-        return {k: v for k, v in summary.items() if v is not None}
+        return self.tracker.summary()
 
     def _check_finite(self, metrics: dict[str, float]) -> None:
         """Skipped updates are reported every step; trainer.max_bad_steps in a row stop the run
@@ -248,13 +215,8 @@ class Trainer:
         return kept[: len(rows)], kept_scores.rows(rows)
 
     def score(self, rollouts: list[Rollout]) -> Scores:
-        scores = score_rollouts(
-            self.reward_fn,
-            self.tokenizer,
-            rollouts,
-            self.cfg.reward_model.overlong_buffer,
-            self.cfg.data.max_response_length,
-        )
+        overlong, R = self.cfg.reward_model.overlong_buffer, self.cfg.data.max_response_length
+        scores = score_rollouts(self.reward_fn, self.tokenizer, rollouts, overlong, R)
         if scores.first_error:
             self.tracker.warn(
                 f"reward function {self.reward_fn.name}: {scores.errors} failed calls, "
@@ -277,25 +239,20 @@ class Trainer:
             else:
                 batch.old_logprobs = self.actor.logprobs(batch)
         metrics.update(logprob_mismatch(batch.old_logprobs, rollout_logprobs, batch.response_mask))
-        correction = cfg.algorithm.rollout_correction
-        level = correction.level(cfg.rollout.spec)
-        if level is not None:
-            # weighed against what each token was sampled with: the engine's logprobs, or the
-            # lenient specrl rule's own probability where it decided the token
-            behaviour = [
+        behaviour = batch.pad_responses(  # what each token was sampled with
+            [
                 r.current_logprobs if r.behaviour_logprobs is None else r.behaviour_logprobs
                 for r in rollouts
             ]
-            batch.is_weights = rollout_is_weights(
-                batch.old_logprobs,
-                batch.pad_responses(behaviour),
-                batch.response_mask.float(),
-                level,
-                correction.rollout_is_threshold,
-            )
-            metrics["rollout_corr/rollout_is_mean"] = float(
-                batch.is_weights.sum() / batch.response_mask.sum().clamp(min=1)
-            )
+        )
+        batch.is_weights, corrected = correction_weights(
+            batch.old_logprobs,
+            behaviour,
+            batch.response_mask,
+            cfg.algorithm.rollout_correction,
+            cfg.rollout.spec,
+        )
+        metrics.update(corrected)
         if self.actor.reference is not None:
             with timed(metrics, "ref"):
                 batch.ref_logprobs = self.actor.logprobs(batch, reference=True)
@@ -307,27 +264,13 @@ class Trainer:
             ).flatten()  # [N]
         return batch
 
-    # ---------------------------------------------------------------- evaluation
-    @torch.no_grad()
     def validate(self) -> dict[str, float]:
-        """Greedy accuracy on the held-out prompts: val/acc/mean@1."""
-        start = time.perf_counter()
-        rollouts: list[Rollout] = []
-        size = self.cfg.data.val_batch_size
-        for i in range(0, len(self.val_prompts), size):
-            rollouts += sample_rollouts(
-                self.engine,
-                self.val_prompts[i : i + size],
-                1,
-                GREEDY,
-                self.cfg.data.max_response_length,
-                ("val",),
-                self.global_step,
-            )
-        scores = score_rollouts(self.reward_fn, self.tokenizer, rollouts)
-        return {
-            "val/acc/mean@1": float(np.mean(scores.acc)),
-            "val/response_length/mean": float(np.mean([len(r.token_ids) for r in rollouts])),
-            "val/reward_errors": scores.errors,
-            "timing_s/testing": time.perf_counter() - start,
-        }
+        return evaluate(
+            self.engine,
+            self.val_prompts,
+            self.reward_fn,
+            self.tokenizer,
+            self.cfg.data.val_batch_size,
+            self.cfg.data.max_response_length,
+            self.global_step,
+        )

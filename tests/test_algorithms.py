@@ -10,8 +10,8 @@ from specrl.algorithms.losses import (
     entropy_from_logits,
     kl_penalty,
     ppo_clip_loss,
-    rollout_is_weights,
 )
+from specrl.algorithms.rollout_correction import rollout_is_weights
 
 
 def test_grpo_normalises_by_unbiased_group_std():

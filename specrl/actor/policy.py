@@ -13,6 +13,9 @@ from transformers import (
     PreTrainedTokenizerBase,
 )
 
+from specrl.actor.update import Actor
+from specrl.algorithms.losses import ClipConfig
+from specrl.config import Config
 from specrl.errors import UserError
 from specrl.toy_policy import ensure_toy_policy
 
@@ -63,6 +66,25 @@ def reference_policy(
     `initial_path` again when `policy` was resumed from a checkpoint)."""
     reference = load_policy(initial_path, dtype, log)[0] if resumed else copy.deepcopy(policy)
     return reference.eval().requires_grad_(False)
+
+
+def load_actor(
+    cfg: Config, model_dir: str | Path, resumed: bool, log=print
+) -> tuple[Actor, PreTrainedTokenizerBase]:
+    """The actor of a run (the policy from `model_dir`, the frozen reference when a KL loss is
+    on) and the policy's tokenizer."""
+    policy, tokenizer = load_policy(model_dir, cfg.model.dtype, log=log)
+    reference = None
+    if cfg.actor.use_kl_loss:
+        reference = reference_policy(policy, cfg.model.path, resumed, cfg.model.dtype, log)
+    clip = ClipConfig(
+        cfg.actor.clip_ratio_low,
+        cfg.actor.clip_ratio_high,
+        cfg.actor.clip_ratio_c,
+        cfg.actor.loss_agg_mode,
+        cfg.data.max_response_length,
+    )
+    return Actor(policy, cfg.actor, clip, cfg.rollout.temperature, reference), tokenizer
 
 
 def eos_token_ids(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> list[int]:

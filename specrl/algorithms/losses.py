@@ -8,7 +8,6 @@ eq. 12; verl normalises the same way)."""
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Literal
 
@@ -119,22 +118,6 @@ def ppo_clip_loss(
         pg_clipfrac_lower=masked_mean(dual.float(), mask, scale).detach(),
         ppo_kl=masked_mean(-log_ratio, mask, scale).detach(),
     )
-
-
-def rollout_is_weights(
-    old_logprobs: torch.Tensor,
-    rollout_logprobs: torch.Tensor,
-    mask: torch.Tensor,
-    level: Literal["token", "sequence"],
-    threshold: float,
-) -> torch.Tensor:
-    """Truncated importance weights for the mismatch between the rollout engine's logprobs and
-    the trainer's (as verl's rollout correction): per token min(π_old/π_rollout, threshold), or
-    per sequence min(Π_t π_old/π_rollout, threshold) on every token. [B, T] → [B, T], no grad."""
-    log_ratio = (old_logprobs - rollout_logprobs).detach() * mask
-    if level == "sequence":
-        log_ratio = log_ratio.sum(-1, keepdim=True).expand_as(old_logprobs)
-    return log_ratio.clamp(max=math.log(threshold)).exp() * mask
 
 
 def kl_penalty(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, kind: KLType) -> torch.Tensor:

@@ -8,7 +8,7 @@ from transformers import PreTrainedModel
 
 from specrl.config import Config
 from specrl.engines.hf import HFEngine
-from specrl.engines.protocol import RolloutEngine
+from specrl.engines.protocol import RolloutEngine, SamplingParams
 
 
 def build_engine(
@@ -31,3 +31,18 @@ def build_engine(
     )
     engine.load_weights(policy.state_dict())
     return engine
+
+
+def logprobs_are_the_trainers(
+    engine: RolloutEngine, policy: PreTrainedModel, sampling: SamplingParams
+) -> bool:
+    """Whether the rollout logprobs are the trainer's own old log-probs: the engine runs the
+    trainer's model object and samples from softmax(logits / T) untruncated, so they need no
+    recomputation."""
+    return (
+        isinstance(engine, HFEngine)
+        and engine.model is policy
+        and sampling.temperature > 0
+        and sampling.top_p == 1
+        and sampling.top_k == 0
+    )

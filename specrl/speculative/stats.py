@@ -58,6 +58,11 @@ class RolloutStats:
     def total(cls, stats: Iterable[RolloutStats]) -> RolloutStats:
         return sum(stats, cls())
 
+    @classmethod
+    def of_steps(cls, history: Iterable[Mapping[str, float]]) -> RolloutStats:
+        """The counts of a run's training steps (its logged metrics; evaluations skipped)."""
+        return cls.total(cls.from_metrics(m) for m in history if m["training/global_step"] > 0)
+
     def ratios(self) -> dict[str, float]:
         """The derived quantities, with the names they are logged under."""
         out = {

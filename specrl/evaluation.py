@@ -1,0 +1,40 @@
+"""Held-out evaluation: greedy accuracy of the current policy (`val/acc/mean@1`, as verl)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+
+import numpy as np
+from transformers import PreTrainedTokenizerBase
+
+from specrl.engines import GREEDY, RolloutEngine
+from specrl.rewards import RewardFunction, score_rollouts
+from specrl.speculative.stage import sample_rollouts
+from specrl.types import Prompt, Rollout
+
+
+def evaluate(
+    engine: RolloutEngine,
+    prompts: Sequence[Prompt],
+    reward_fn: RewardFunction,
+    tokenizer: PreTrainedTokenizerBase,
+    batch_size: int,
+    max_response_length: int,
+    policy_version: int,
+) -> dict[str, float]:
+    """One greedy response per held-out prompt, scored by the reward function."""
+    start = time.perf_counter()
+    rollouts: list[Rollout] = []
+    for i in range(0, len(prompts), batch_size):
+        batch = prompts[i : i + batch_size]
+        rollouts += sample_rollouts(
+            engine, batch, 1, GREEDY, max_response_length, ("val",), policy_version
+        )
+    scores = score_rollouts(reward_fn, tokenizer, rollouts)
+    return {
+        "val/acc/mean@1": float(np.mean(scores.acc)),
+        "val/response_length/mean": float(np.mean([len(r.token_ids) for r in rollouts])),
+        "val/reward_errors": scores.errors,
+        "timing_s/testing": time.perf_counter() - start,
+    }
