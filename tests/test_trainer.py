@@ -149,7 +149,7 @@ def test_speculative_training_reuses_drafts_from_the_second_epoch(tiny_policy_di
     assert steps[2]["spec/verified_tokens"] > 0 and "timing_s/verify" in steps[2]
     # rollout_is auto: sequence weights p/q; sampled plainly (epoch 0), q = p and the weight is 1
     assert steps[0]["rollout_corr/rollout_is_mean"] == 1.0
-    assert 0 < steps[2]["rollout_corr/rollout_is_mean"] <= 2.0
+    assert 0 < steps[2]["rollout_corr/rollout_is_mean"] != 1.0  # drafted rollouts are weighed
     state = torch.load(
         tmp_path / "checkpoints" / "global_step_4" / "trainer_state.pt", weights_only=False
     )

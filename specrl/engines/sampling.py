@@ -1,8 +1,9 @@
-"""The sampling distribution and a counter-based sampler, shared by `generate` and `score`.
+"""The sampling distribution, its residual and a counter-based sampler, shared by `generate` and
+`logprobs`.
 
 `sampling_logprobs` turns raw logits into the log-probabilities of the distribution tokens are
 actually drawn from (temperature, then top-k, then top-p, each renormalised), so behaviour
-logprobs from `generate` and logprobs from `score` are the same computation.
+logprobs from `generate` and logprobs from `logprobs` are the same computation.
 
 Randomness is counter-based: the uniform for a token is a hash of (request seed, position in the
 sequence). A request's sample therefore does not depend on which other requests share its batch
@@ -109,3 +110,15 @@ def sample_from_logprobs(logprobs: torch.Tensor, uniform: torch.Tensor) -> torch
     target = (uniform * cdf[:, -1])[:, None]
     tokens = torch.searchsorted(cdf, target).squeeze(-1)
     return tokens.clamp_(max=logprobs.shape[-1] - 1)
+
+
+def residual_logprobs(logprobs: torch.Tensor, excluded: Sequence[int | None]) -> torch.Tensor:
+    """logprobs [B, V] with each row's excluded token (None: none) removed and the rest
+    renormalised: the exact acceptance rule's residual after a rejected draft token."""
+    rows = [row for row, token in enumerate(excluded) if token is not None]
+    if not rows:
+        return logprobs
+    residual = logprobs.clone()
+    residual[rows, [excluded[row] for row in rows]] = float("-inf")
+    residual[rows] = residual[rows].log_softmax(-1)
+    return residual

@@ -29,7 +29,7 @@ def test_bench_trains_every_arm_and_writes_json_and_plot(tiny_policy_dir, tmp_pa
     assert result["reused_token_ratio"] > result["reused_token_ratio_all_steps"]
     for key in ("rollout_speedup", "step_speedup", "verify_cost_ratio", "limit_speedup"):
         assert math.isfinite(result[key]) and result[key] > 0, key
-    assert 0 < result["reused_token_ratio"] <= 1
+    assert result["reused_token_ratio"] > 0
     assert result["final_acc_vanilla"] is not None and result["final_acc_spec"] is not None
     assert result["decoded_tokens"]["spec"] < result["decoded_tokens"]["vanilla"]
     arms = result["arms"]
@@ -37,7 +37,7 @@ def test_bench_trains_every_arm_and_writes_json_and_plot(tiny_policy_dir, tmp_pa
     assert arms["spec"]["rollout_speedup"] == result["rollout_speedup"]
     # the spec arm is speculative rollouts as configured: by default its tail has tree drafts
     for arm in ("spec", "tree", "spec+tree"):
-        assert arms[arm]["tree_draft_tokens"] > 0 and arms[arm]["mean_accepted_per_forward"] >= 1
+        assert arms[arm]["tree_accepted_tokens"] > 0 and arms[arm]["mean_accepted_per_forward"] > 1
     assert (
         "rollout_speedup_vs_spec" in arms["tree"] and "rollout_speedup_vs_spec" in arms["spec+tree"]
     )

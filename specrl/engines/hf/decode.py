@@ -23,6 +23,7 @@ from specrl.engines.hf.prefix_cache import PrefixCache
 from specrl.engines.protocol import Drafter, GenRequest, GenResult
 from specrl.engines.sampling import (
     RowSampling,
+    residual_logprobs,
     sample_from_logprobs,
     sampling_logprobs,
     seeded_uniform,
@@ -165,7 +166,7 @@ class Decoder:
         )
         rejected = [requests[i].excluded_token for i in found]
         tokens = sample_from_logprobs(
-            _residual(logprobs, rejected), seeded_uniform(seeds, positions)
+            residual_logprobs(logprobs, rejected), seeded_uniform(seeds, positions)
         )
         chosen = logprobs.gather(1, tokens[:, None]).squeeze(1)
         requests = list(requests)
@@ -231,7 +232,7 @@ class Decoder:
         draw_from = logprobs
         if any(r is not None for r in rejected):
             draw_from = logprobs.clone()
-            draw_from[:, 0] = _residual(logprobs[:, 0], rejected)
+            draw_from[:, 0] = residual_logprobs(logprobs[:, 0], rejected)
         sampled = sample_from_logprobs(draw_from.reshape(-1, vocab), uniforms.reshape(-1))
         sampled = sampled.view(batch, columns)
         return sampled, logprobs.gather(2, sampled[..., None]).squeeze(2)
@@ -295,17 +296,6 @@ def _staying(finished: torch.Tensor) -> torch.Tensor:
     keep = torch.arange(len(staying), device=finished.device)
     keep[finished[: len(staying)]] = staying[staying >= len(staying)]
     return keep
-
-
-def _residual(logprobs: torch.Tensor, rejected: Sequence[int | None]) -> torch.Tensor:
-    """logprobs [B, V] with each row's rejected token removed and the rest renormalised."""
-    rows = [row for row, token in enumerate(rejected) if token is not None]
-    if not rows:
-        return logprobs
-    residual = logprobs.clone()
-    residual[rows, [rejected[row] for row in rows]] = float("-inf")
-    residual[rows] = residual[rows].log_softmax(-1)
-    return residual
 
 
 def _uniform_table(seeds: torch.Tensor, first: torch.Tensor, width: int) -> torch.Tensor:
