@@ -47,6 +47,12 @@ def main(argv: list[str] | None = None) -> int:
     report.add_argument("run_dir", help="the run's trainer.output_dir")
     toy = commands.add_parser("toy-policy", help="build (or show) the cached built-in tiny policy")
     toy.add_argument("--force", action="store_true", help="rebuild even when cached")
+    toy.add_argument(
+        "--task",
+        default="noisy_facts",
+        choices=["noisy_facts", "addition"],
+        help="the built-in task whose warm-start policy to build (data.task; default noisy_facts)",
+    )
     args = parser.parse_args(argv)
     _quiet_libraries()
     try:
@@ -56,7 +62,7 @@ def main(argv: list[str] | None = None) -> int:
             return _bench(args.config, args.out, args.arms, args.seeds, args.overrides)
         if args.command == "report":
             return _report(args.run_dir)
-        return _toy_policy(args.force)
+        return _toy_policy(args.force, args.task)
     except UserError as err:
         print(f"specrl: error: {err}", file=sys.stderr)
         return 2
@@ -102,10 +108,10 @@ def _report(run_dir: str) -> int:
     return 0
 
 
-def _toy_policy(force: bool) -> int:
-    from specrl.toy_policy import ensure_toy_policy
+def _toy_policy(force: bool, task: str) -> int:
+    from specrl.toy_policy import ToyPolicySpec, ensure_toy_policy
 
-    print(ensure_toy_policy(force=force))
+    print(ensure_toy_policy(ToyPolicySpec(task=task), force=force))
     return 0
 
 

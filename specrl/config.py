@@ -34,6 +34,11 @@ class Section(BaseModel):
 
 
 class DataConfig(Section):
+    task: Literal["noisy_facts", "addition"] = Field(
+        "noisy_facts",
+        description="built-in task (without train_files) and its warm-start policy: noisy_facts "
+        "(RL keeps learning for the whole default run) or addition (solved in a few steps)",
+    )
     train_files: list[str] | None = Field(
         None, description="jsonl/parquet files in verl's schema; None uses the built-in task"
     )

@@ -5,6 +5,7 @@ cached. Nothing is downloaded; nothing binary is committed.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import random
@@ -34,14 +35,18 @@ class ToyPolicySpec:
     sft_steps: int = 600
     sft_batch_size: int = 64
     sft_lr: float = 3e-3
-    p_forget_carry: float = 0.6
-    min_digits: int = 2
-    max_digits: int = 6
+    task: str = "noisy_facts"  # a key of arithmetic.TASKS: its problems and warm-start teacher
     seed: int = 0
-    version: int = 1
+    version: int = 2
+
+    @property
+    def definition(self) -> arithmetic.Task:
+        return arithmetic.TASKS[self.task]
 
     def key(self) -> str:
-        return "-".join(f"{v}" for v in asdict(self).values())
+        """The cache entry's name: every field, and a hash of the task's definition."""
+        digest = hashlib.blake2b(repr(self.definition).encode(), digest_size=4).hexdigest()
+        return "-".join(f"{v}" for v in asdict(self).values()) + f"-{digest}"
 
 
 def cache_root() -> Path:
@@ -119,7 +124,8 @@ def _supervised_warm_start(
 ) -> None:
     """Next-token loss on response tokens of imperfect traces for random training problems."""
     rng = random.Random(f"toy-policy-sft-{spec.seed}")
-    _, held_out = arithmetic.make_split(0, 0, 1000, spec.min_digits, spec.max_digits)
+    task = spec.definition
+    _, held_out = arithmetic.make_split(0, 0, 1000, task.min_digits, task.max_digits)
     held_out_set = set(held_out)
     optimizer = torch.optim.AdamW(model.parameters(), lr=spec.sft_lr, weight_decay=0.0)
     schedule = torch.optim.lr_scheduler.OneCycleLR(
@@ -129,13 +135,11 @@ def _supervised_warm_start(
     for step in range(spec.sft_steps):
         sequences, masks = [], []
         while len(sequences) < spec.sft_batch_size:
-            problem = arithmetic.sample_problem(rng, spec.min_digits, spec.max_digits)
+            problem = arithmetic.sample_problem(rng, task.min_digits, task.max_digits)
             if problem in held_out_set:
                 continue
             prompt = tokenizer.encode(problem.prompt)
-            response = tokenizer.encode(
-                arithmetic.solution_trace(problem, rng, spec.p_forget_carry)
-            )
+            response = tokenizer.encode(arithmetic.solution_trace(problem, rng, task.teacher))
             response.append(tokenizer.eos_token_id)
             sequences.append(prompt + response)
             masks.append([0] * len(prompt) + [1] * len(response))
@@ -169,7 +173,8 @@ def evaluate_toy_policy(
 ) -> dict:
     """Greedy accuracy and response length on held-out problems, and how varied samples are."""
     engine = HFEngine(model, [tokenizer.eos_token_id], tokenizer.pad_token_id)
-    _, held_out = arithmetic.make_split(0, 0, size, spec.min_digits, spec.max_digits)
+    task = spec.definition
+    _, held_out = arithmetic.make_split(0, 0, size, task.min_digits, task.max_digits)
     prompts = [tokenizer.encode(p.prompt) for p in held_out]
     greedy = engine.generate([GenRequest(p, 80, GREEDY) for p in prompts])
     texts = [tokenizer.decode(r.token_ids, skip_special_tokens=True) for r in greedy]

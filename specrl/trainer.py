@@ -27,7 +27,7 @@ from specrl.metrics import data_metrics, logprob_mismatch, timed
 from specrl.rewards import Scores, load_reward_function, score_rollouts
 from specrl.speculative.stage import SpeculativeStage
 from specrl.speculative.stats import RolloutStats
-from specrl.toy_policy import ensure_toy_policy
+from specrl.toy_policy import ToyPolicySpec, ensure_toy_policy
 from specrl.tracking import Tracker
 from specrl.types import Rollout
 
@@ -58,8 +58,9 @@ class Trainer:
         log = self.tracker.print
         self.resume_from = resolve_resume(cfg.trainer.resume_mode, self.run_dir)
         state = load_trainer_state(self.resume_from) if self.resume_from else None
-        model_dir = self.resume_from or cfg.model.path or ensure_toy_policy(log=log)
-        self.actor, self.tokenizer = load_actor(cfg, model_dir, self.resume_from is not None, log)
+        initial = cfg.model.path or ensure_toy_policy(ToyPolicySpec(task=cfg.data.task), log=log)
+        model_dir = self.resume_from or initial
+        self.actor, self.tokenizer = load_actor(cfg, model_dir, initial, log)
         policy = self.actor.policy
         eos_ids = eos_token_ids(policy, self.tokenizer)
         self.engine = build_engine(cfg, policy, eos_ids, self.tokenizer.pad_token_id, model_dir)

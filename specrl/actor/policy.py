@@ -17,7 +17,6 @@ from specrl.actor.update import Actor
 from specrl.algorithms.losses import ClipConfig
 from specrl.config import Config
 from specrl.errors import UserError
-from specrl.toy_policy import ensure_toy_policy
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -27,10 +26,10 @@ class ModelLoadError(UserError):
 
 
 def load_policy(
-    path: str | Path | None, dtype: str, log=print
+    path: str | Path, dtype: str, log=print
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
-    """A local Hugging Face causal LM and its tokenizer; None means the built-in tiny policy."""
-    directory = Path(path) if path is not None else ensure_toy_policy(log=log)
+    """A local Hugging Face causal LM and its tokenizer."""
+    directory = Path(path)
     if not (directory / "config.json").is_file():
         what = "does not exist" if not directory.exists() else "has no config.json"
         raise ModelLoadError(
@@ -60,23 +59,26 @@ def load_policy(
 
 
 def reference_policy(
-    policy: PreTrainedModel, initial_path: str | None, resumed: bool, dtype: str, log=print
+    policy: PreTrainedModel, policy_path: Path, initial_path: Path, dtype: str, log=print
 ) -> PreTrainedModel:
-    """The frozen KL reference: the initial policy (a copy of `policy` on a fresh run; loaded from
-    `initial_path` again when `policy` was resumed from a checkpoint)."""
-    reference = load_policy(initial_path, dtype, log)[0] if resumed else copy.deepcopy(policy)
+    """The frozen KL reference: the initial policy (a copy of `policy` when it was loaded from
+    `initial_path`; loaded from there again when `policy` was resumed from a checkpoint)."""
+    if Path(policy_path) == Path(initial_path):
+        reference = copy.deepcopy(policy)
+    else:
+        reference = load_policy(initial_path, dtype, log)[0]
     return reference.eval().requires_grad_(False)
 
 
 def load_actor(
-    cfg: Config, model_dir: str | Path, resumed: bool, log=print
+    cfg: Config, model_dir: Path, initial_dir: Path, log=print
 ) -> tuple[Actor, PreTrainedTokenizerBase]:
-    """The actor of a run (the policy from `model_dir`, the frozen reference when a KL loss is
-    on) and the policy's tokenizer."""
+    """The actor of a run (the policy from `model_dir`, a checkpoint or `initial_dir`; the
+    frozen reference from `initial_dir` when a KL loss is on) and the policy's tokenizer."""
     policy, tokenizer = load_policy(model_dir, cfg.model.dtype, log=log)
     reference = None
     if cfg.actor.use_kl_loss:
-        reference = reference_policy(policy, cfg.model.path, resumed, cfg.model.dtype, log)
+        reference = reference_policy(policy, model_dir, initial_dir, cfg.model.dtype, log)
     clip = ClipConfig(
         cfg.actor.clip_ratio_low,
         cfg.actor.clip_ratio_high,

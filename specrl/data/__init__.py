@@ -22,7 +22,10 @@ def load_prompts(
 ) -> tuple[list[Prompt], list[Prompt]]:
     """→ (train, val) prompts. Without files, the built-in task split for `seed`."""
     if cfg.train_files is None:
-        train_problems, val_problems = arithmetic.make_split(seed, cfg.train_size, cfg.val_size)
+        task = arithmetic.TASKS[cfg.task]
+        train_problems, val_problems = arithmetic.make_split(
+            seed, cfg.train_size, cfg.val_size, task.min_digits, task.max_digits
+        )
         train_examples = [p.example() for p in train_problems]
         val_examples = [p.example() for p in val_problems]
     else:

@@ -1,20 +1,27 @@
-"""The built-in verifiable task: multi-digit addition with a written-out scratchpad.
+"""The built-in verifiable tasks: multi-digit addition with a written-out scratchpad.
 
 Prompt `4738+95=`; the solution works column by column from the right, writing digit + digit +
 incoming carry = column sum, then the answer after `#`:
 
     8+5+0=13;3+9+1=13;7+0+1=8;4+0+0=4;#4833
 
-The checker reads the answer after the last `#`. Warm-start traces are *imperfect*: the teacher
-forgets an incoming carry (writes +0 where +1 is due) with probability `p_forget_carry`, and then
-computes consistently from its mistake, so a policy trained on them carries correctly only some
-of the time, leaving RL a clear, verifiable thing to learn.
+The checker reads the answer after the last `#`. Warm-start traces come from an imperfect
+`Teacher`, which then computes consistently from its mistakes, so RL has verifiable things to
+learn. Two tasks (`TASKS`, `data.task`):
+
+- `addition`: the teacher forgets an incoming carry (writes +0 where +1 is due) 60% of the time.
+  One skill: RL learns it within a few steps, then the policy barely moves.
+- `noisy_facts` (the default): the teacher knows carries but gets a fifth of the 200 column facts
+  (digit, digit, carry) wrong, each with its own probability between 0.5 and 0.95 and its own
+  wrong sum. A greedy policy gets every such fact wrong; RL has to flip them one by one, the
+  rarely and the confidently wrong ones last, so held-out accuracy keeps rising over the run.
 """
 
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from functools import cached_property
 
 from specrl.types import Example
 
@@ -48,18 +55,64 @@ def sample_problem(rng: random.Random, min_digits: int = 2, max_digits: int = 6)
     )
 
 
+@dataclass(frozen=True)
+class Teacher:
+    """How warm-start traces go wrong. `p_forget_carry`: an incoming carry is dropped with this
+    probability. `noisy_facts`: this fraction of the column facts (x, y, carry) are written with
+    a wrong sum (the true one ± 1, fixed per fact) with a probability drawn per fact, uniform in
+    `p_wrong`; which facts, how often and how, are fixed by `seed`."""
+
+    p_forget_carry: float = 0.0
+    noisy_facts: float = 0.0
+    p_wrong: tuple[float, float] = (0.5, 0.95)
+    seed: int = 0
+
+    @cached_property
+    def fact_errors(self) -> dict[tuple[int, int, int], tuple[float, int]]:
+        """(x, y, carry) → (probability of writing the wrong sum, the wrong sum)."""
+        rng = random.Random(f"teacher-facts-{self.seed}")
+        facts = [(x, y, c) for x in range(10) for y in range(10) for c in (0, 1)]
+        noisy = rng.sample(facts, round(self.noisy_facts * len(facts)))
+        errors = {}
+        for x, y, c in noisy:
+            total = x + y + c
+            wrong = total + rng.choice([-1, 1]) if 0 < total < 19 else (1 if total == 0 else 18)
+            errors[(x, y, c)] = (rng.uniform(*self.p_wrong), wrong)
+        return errors
+
+
+@dataclass(frozen=True)
+class Task:
+    """A built-in task: its problems (operand digits) and the teacher of its warm start."""
+
+    min_digits: int
+    max_digits: int
+    teacher: Teacher = field(default_factory=Teacher)
+
+
+TASKS = {
+    "addition": Task(2, 6, Teacher(p_forget_carry=0.6)),
+    "noisy_facts": Task(2, 6, Teacher(noisy_facts=0.2)),
+}
+
+
 def solution_trace(
-    problem: Problem, rng: random.Random | None = None, p_forget_carry: float = 0.0
+    problem: Problem, rng: random.Random | None = None, teacher: Teacher | None = None
 ) -> str:
-    """The scratchpad and answer; with `p_forget_carry > 0` (and an rng) carries may be dropped."""
+    """The scratchpad and answer: correct, or as `teacher` writes it (with `rng`)."""
     a_digits, b_digits = str(problem.a)[::-1], str(problem.b)[::-1]
     carry, columns, digits = 0, [], []
+    errs = teacher is not None and rng is not None
     for i in range(max(len(a_digits), len(b_digits))):
         x = int(a_digits[i]) if i < len(a_digits) else 0
         y = int(b_digits[i]) if i < len(b_digits) else 0
-        if carry and rng is not None and rng.random() < p_forget_carry:
+        if errs and carry and rng.random() < teacher.p_forget_carry:
             carry = 0
         total = x + y + carry
+        if errs and (x, y, carry) in teacher.fact_errors:
+            p, wrong = teacher.fact_errors[(x, y, carry)]
+            if rng.random() < p:
+                total = wrong
         columns.append(f"{x}+{y}+{carry}={total}")
         digits.append(total % 10)
         carry = total // 10

@@ -168,7 +168,7 @@ class SpeculativeStage:
             for r in rollouts:
                 self.store.put(r)
         stats.rollout_s += time.perf_counter() - start
-        self._count(stats, slots, rollouts, results)
+        self._count(stats, slots, rollouts, results, policy_version)
         return rollouts, stats
 
     # ---------------------------------------------------------------- state
@@ -213,38 +213,41 @@ class SpeculativeStage:
         draft token in one pass; `chunked` scores verify_chunk_size tokens per pass and drops each
         draft from later passes at its first rejection."""
         started = time.perf_counter()
-        todo = [s for s in slots if s.draft is not None]
-        targets = {id(s): s.draft.token_ids[: self.max_response_length].tolist() for s in todo}
-        chunk = (
-            self.cfg.verify_chunk_size
-            if self.cfg.verify_mode == "chunked"
-            else self.max_response_length
-        )
-        new: dict[int, list[float]] = {id(s): [] for s in todo}
-        active, offset = todo, 0
+        R = self.max_response_length
+        chunk = self.cfg.verify_chunk_size if self.cfg.verify_mode == "chunked" else R
+        scored: dict[int, list[float]] = {}  # current logprobs of each draft's verified tokens
+        active = [
+            (i, s.draft.token_ids[:R].tolist()) for i, s in enumerate(slots) if s.draft is not None
+        ]
+        offset = 0
         while active:
             requests = [
                 LogprobRequest(
-                    [*s.prompt.ids, *targets[id(s)][:offset]],
-                    targets[id(s)][offset : offset + chunk],
+                    [*slots[i].prompt.ids, *target[:offset]],
+                    target[offset : offset + chunk],
                     self.sampling,
                 )
-                for s in active
+                for i, target in active
             ]
-            for s, logprobs in zip(active, self.engine.logprobs(requests, prefixes), strict=True):
-                new[id(s)].extend(logprobs.tolist())
+            for (i, _), logprobs in zip(
+                active, self.engine.logprobs(requests, prefixes), strict=True
+            ):
+                old = slots[i].draft.current_logprobs[offset : offset + len(logprobs)]
+                stats.logprob_drift_sum += float(np.abs(logprobs.numpy() - old).sum())
+                scored.setdefault(i, []).extend(logprobs.tolist())
                 stats.verified_tokens += len(logprobs)
             cuts = self._cuts(
-                [new[id(s)] for s in active],
-                [s.draft.current_logprobs for s in active],
-                [rollout_seed(*seed_key, s.prompt.prompt_id, s.slot, "verify") for s in active],
-            )
+                [scored[i] for i, _ in active],
+                [slots[i].draft.current_logprobs for i, _ in active],
+                [rollout_seed(*seed_key, slots[i].prompt.prompt_id, slots[i].slot, "verify")
+                 for i, _ in active],
+            )  # fmt: skip
             still = []
-            for s, k in zip(active, cuts, strict=True):
-                if k < len(new[id(s)]) or len(new[id(s)]) == len(targets[id(s)]):
-                    s.verified = Verified(k, new[id(s)])
+            for (i, target), k in zip(active, cuts, strict=True):
+                if k < len(scored[i]) or len(scored[i]) == len(target):
+                    slots[i].verified = Verified(k, scored[i])
                 else:
-                    still.append(s)
+                    still.append((i, target))
             active, offset = still, offset + chunk
         stats.verify_s += time.perf_counter() - started
 
@@ -388,11 +391,14 @@ class SpeculativeStage:
         slots: list[_Slot],
         rollouts: list[Rollout],
         results: dict[int, GenResult],
+        version: int,
     ) -> None:
         stats.rollouts += len(rollouts)
-        stats.drafts += sum(s.verified is not None for s in slots)
+        drafted = [s for s in slots if s.verified is not None]
+        stats.drafts += len(drafted)
+        stats.draft_age_sum += sum(version - s.draft.policy_version for s in drafted)
         stats.fully_reused += len(rollouts) - len(results)
-        stats.reused_tokens += sum(s.verified.cut for s in slots if s.verified is not None)
+        stats.reused_tokens += sum(s.verified.cut for s in drafted)
         stats.decoded_tokens += sum(len(r.token_ids) for r in results.values())
         stats.response_tokens += sum(len(r.token_ids) for r in rollouts)
         stats.store_entries = len(self.store)

@@ -23,6 +23,8 @@ class RolloutStats:
     reused_tokens: int = 0  # draft tokens kept (the cut index k, summed)
     decoded_tokens: int = 0  # tokens decoded by the engine
     verified_tokens: int = 0  # draft tokens scored by verification
+    draft_age_sum: int = 0  # Σ over drafts of the updates since the draft was rolled out
+    logprob_drift_sum: float = 0.0  # Σ over verified tokens of |log p_new − log p_old|
     response_tokens: int = 0
     behaviour_gap_sum: float = 0.0  # Σ |log q − log p| over the tokens of drafted rollouts
     behaviour_gap_tokens: int = 0  # (lenient specrl rule only)
@@ -71,6 +73,9 @@ class RolloutStats:
             "spec/draft_ratio": self.drafts / max(self.rollouts, 1),
             "spec/mean_cut_index": self.reused_tokens / max(self.drafts, 1),
             "spec/verified_token_ratio": self.verified_tokens / max(self.response_tokens, 1),
+            # policy drift: why reuse is what it is
+            "spec/draft_age_steps": self.draft_age_sum / max(self.drafts, 1),
+            "spec/draft_logprob_drift": self.logprob_drift_sum / max(self.verified_tokens, 1),
             "spec/store_bytes_per_token": self.store_bytes / max(self.store_tokens, 1),
         }
         if self.lenient:
@@ -119,6 +124,8 @@ METRIC_NAMES = {
     "reused_tokens": "spec/reused_tokens",
     "decoded_tokens": "spec/decoded_tokens",
     "verified_tokens": "spec/verified_tokens",
+    "draft_age_sum": "spec/draft_age_sum",
+    "logprob_drift_sum": "spec/logprob_drift_sum",
     "response_tokens": "spec/response_tokens",
     "behaviour_gap_sum": "spec/behaviour_gap_sum",
     "behaviour_gap_tokens": "spec/behaviour_gap_tokens",

@@ -201,3 +201,15 @@ def test_a_rule_the_engine_cannot_serve_is_refused_at_construction(engine):
         PROMPTS, 2, ("s", 1), 1
     )
     assert not stats.tree and stats.rollouts == len(lenient) == 6  # no tree, no prefix handle
+
+
+def test_drift_metrics_say_how_old_drafts_are_and_how_far_the_policy_moved(engine):
+    rollout = stage(engine)
+    rollout(PROMPTS, 2, ("s", 1), 3)
+    _, same = rollout(PROMPTS, 2, ("s", 2), 7)  # four steps later, the same weights
+    assert same.ratios()["spec/draft_age_steps"] == 4
+    assert same.ratios()["spec/draft_logprob_drift"] < 1e-5
+    engine.model = make_tiny_model(seed=1)  # the policy moved
+    _, moved = rollout(PROMPTS, 2, ("s", 3), 8)
+    assert moved.ratios()["spec/draft_age_steps"] == 1
+    assert moved.ratios()["spec/draft_logprob_drift"] > 0.1
