@@ -6,6 +6,7 @@ import argparse
 import sys
 
 from specrl.errors import UserError
+from specrl.run_dir import RunInterrupted
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -63,6 +64,9 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "report":
             return _report(args.run_dir)
         return _toy_policy(args.force, args.task)
+    except RunInterrupted as stopped:
+        print(f"specrl: {stopped}", file=sys.stderr)
+        return stopped.exit_code
     except UserError as err:
         print(f"specrl: error: {err}", file=sys.stderr)
         return 2

@@ -236,6 +236,13 @@ class OverlongBufferConfig(Section):
 class RewardModelConfig(Section):
     overlong_buffer: OverlongBufferConfig = Field(default_factory=OverlongBufferConfig)
     timeout_s: float = Field(10.0, gt=0.0, description="per-response reward function timeout")
+    max_error_ratio: float = Field(
+        0.5,
+        ge=0.0,
+        le=1.0,
+        description="stop the run when the reward function fails on more than this fraction of a "
+        "step's responses (1.0: never; failed calls score 0)",
+    )
 
 
 class CustomRewardConfig(Section):
@@ -256,7 +263,10 @@ class TrainerConfig(Section):
     test_freq: int = Field(16, ge=0, description="evaluate every this many steps; 0 disables")
     val_before_train: bool = Field(True, description="evaluate before the first step")
     save_freq: int = Field(
-        0, ge=0, description="checkpoint every this many steps; 0 only at the end"
+        16,
+        ge=0,
+        description="checkpoint every this many steps and at the end (0: only at the end); "
+        "an interrupted run loses at most this many steps",
     )
     max_ckpt_to_keep: int | None = Field(
         None, ge=1, description="keep only the newest this many checkpoints; None keeps all"
@@ -297,6 +307,12 @@ class Config(Section):
             raise ValueError(
                 f"actor.ppo_mini_batch_size ({self.actor.ppo_mini_batch_size}) must not exceed "
                 f"data.train_batch_size ({self.data.train_batch_size})"
+            )
+        if self.rollout.n < 2:
+            raise ValueError(
+                f"rollout.n=1 with algorithm.adv_estimator={self.algorithm.adv_estimator} gives "
+                "every rollout an advantage of 0 (a group of one has no baseline to beat): "
+                "nothing would be learned; set rollout.n >= 2"
             )
         if self.rollout.enable_sleep_mode and self.rollout.name != "vllm":
             raise ValueError("rollout.enable_sleep_mode needs rollout.name=vllm")

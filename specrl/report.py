@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import json
+import sys
 from pathlib import Path
 
 from rich.console import Console
@@ -10,6 +10,7 @@ from rich.table import Table
 
 from specrl.errors import UserError
 from specrl.plots import plot_metrics
+from specrl.run_dir import read_metrics_jsonl
 from specrl.speculative.stats import RolloutStats
 
 REPORT_PANELS = [
@@ -25,13 +26,7 @@ def read_history(run_dir: Path) -> list[dict[str, float]]:
     path = run_dir / "metrics.jsonl"
     if not path.is_file():
         raise UserError(f"{run_dir} has no metrics.jsonl; pass the trainer.output_dir of a run")
-    history = []
-    for number, line in enumerate(path.read_text().splitlines(), start=1):
-        if line.strip():
-            try:
-                history.append(json.loads(line))
-            except json.JSONDecodeError:
-                raise UserError(f"{path} line {number} is not valid JSON") from None
+    history = read_metrics_jsonl(path, lambda m: print(f"specrl: warning: {m}", file=sys.stderr))
     if not history:
         raise UserError(f"{path} is empty: the run logged no step yet")
     return history

@@ -22,6 +22,7 @@ from rich.progress import (
 from rich.table import Table
 
 from specrl.errors import UserError
+from specrl.run_dir import read_metrics_jsonl
 from specrl.speculative.stats import RolloutStats
 
 LIVE_METRICS = {
@@ -60,8 +61,7 @@ class Tracker:
         if self.jsonl is not None:
             self.jsonl.parent.mkdir(parents=True, exist_ok=True)
             if keep_through_step is not None and self.jsonl.is_file():
-                lines = self.jsonl.read_text().splitlines()
-                records = [json.loads(line) for line in lines if line.strip()]
+                records = read_metrics_jsonl(self.jsonl, self.warn)
                 self.history = [
                     m for m in records if m["training/global_step"] <= keep_through_step
                 ]
@@ -131,8 +131,9 @@ class Tracker:
 
             yield advance
 
-    def summary(self) -> dict[str, float]:
-        """The run's headline numbers, printed as a table on the console: → them."""
+    def summary(self, run_dir: Path) -> dict[str, float]:
+        """The run's headline numbers, printed as a table on the console with where the run is
+        and how to look at it: → them."""
         history = self.history
         spec = RolloutStats.of_steps(history)
         summary = {
@@ -156,6 +157,7 @@ class Tracker:
             for name, value in summary.items():
                 table.add_row(name, f"{value:.4g}")
             self.console.print(table)
+            self.print(f"run directory: {run_dir} (curves and a summary: specrl report {run_dir})")
         return summary
 
 

@@ -24,7 +24,8 @@ from specrl.engines.build import build_engine, logprobs_are_the_trainers
 from specrl.errors import UserError
 from specrl.evaluation import evaluate
 from specrl.metrics import data_metrics, logprob_mismatch, timed
-from specrl.rewards import Scores, load_reward_function, score_rollouts
+from specrl.rewards import RewardFunctionError, Scores, load_reward_function, score_rollouts
+from specrl.run_dir import RunInterrupted, StopSignals, open_run_dir
 from specrl.speculative.stage import SpeculativeStage
 from specrl.speculative.stats import RolloutStats
 from specrl.toy_policy import ToyPolicySpec, ensure_toy_policy
@@ -56,6 +57,8 @@ class Trainer:
             torch.set_num_threads(cfg.trainer.num_threads)
         seed_everything(cfg.trainer.seed)
         log = self.tracker.print
+        starting_over = cfg.trainer.resume_mode == "disable"
+        self.lock = open_run_dir(self.run_dir, starting_over, log)
         self.resume_from = resolve_resume(cfg.trainer.resume_mode, self.run_dir)
         state = load_trainer_state(self.resume_from) if self.resume_from else None
         initial = cfg.model.path or ensure_toy_policy(ToyPolicySpec(task=cfg.data.task), log=log)
@@ -120,21 +123,31 @@ class Trainer:
         gc.collect()
         gc.freeze()
         try:
-            with self.tracker.progress(self.total_steps, self.global_step) as advance:
+            with (
+                self.tracker.progress(self.total_steps, self.global_step) as advance,
+                StopSignals() as stop,
+            ):
                 while self.global_step < self.total_steps:
                     self.global_step += 1
                     metrics = self.train_step()
                     self._check_finite(metrics)
                     if self._due(self.cfg.trainer.test_freq):
                         metrics.update(self.validate())
-                    if self._due(self.cfg.trainer.save_freq):
-                        self.save()
+                    if self._due(self.cfg.trainer.save_freq) or stop.received:
+                        path = self.save()
                     self.tracker.log(metrics)
                     advance(metrics)
+                    if stop.received:
+                        raise RunInterrupted(
+                            f"interrupted at step {self.global_step}; saved {path}; rerun the "
+                            "same command to resume",
+                            stop.received,
+                        )
         finally:
             gc.unfreeze()
             self.tracker.close()
-        return self.tracker.summary()
+            self.lock.release()
+        return self.tracker.summary(self.run_dir)
 
     def _check_finite(self, metrics: dict[str, float]) -> None:
         """Skipped updates are reported every step; trainer.max_bad_steps in a row stop the run
@@ -218,6 +231,12 @@ class Trainer:
     def score(self, rollouts: list[Rollout]) -> Scores:
         overlong, R = self.cfg.reward_model.overlong_buffer, self.cfg.data.max_response_length
         scores = score_rollouts(self.reward_fn, self.tokenizer, rollouts, overlong, R)
+        if scores.errors > self.cfg.reward_model.max_error_ratio * len(rollouts):
+            raise RewardFunctionError(
+                f"reward function {self.reward_fn.name} failed on {scores.errors} of "
+                f"{len(rollouts)} responses at step {self.global_step} (first: "
+                f"{scores.first_error}); fix it, or raise reward_model.max_error_ratio"
+            )
         if scores.first_error:
             self.tracker.warn(
                 f"reward function {self.reward_fn.name}: {scores.errors} failed calls, "

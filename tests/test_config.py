@@ -168,3 +168,24 @@ def test_filter_groups_metric_is_acc_or_score():
 def test_speculation_is_on_by_default_with_the_exact_rule():
     spec = load_config(None, []).rollout.spec
     assert spec.enabled and spec.acceptance == "exact"
+
+
+def test_a_group_of_one_is_refused_at_load():
+    with pytest.raises(
+        ConfigError, match=r"rollout\.n=1 with algorithm\.adv_estimator=grpo .*rollout\.n >= 2"
+    ):
+        load_config(None, ["rollout.n=1"])
+
+
+def test_a_model_dir_without_tokenizer_files_names_them(tmp_path, tiny_policy_dir, capsys):
+    import shutil
+
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    for name in ("config.json", "generation_config.json", "model.safetensors"):
+        shutil.copy(tiny_policy_dir / name, bare / name)
+    assert main(["train", f"model.path={bare}", f"trainer.output_dir={tmp_path / 'run'}"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1
+    assert f"the tokenizer in model.path {str(bare)!r} has 1 tokens for a model with 17" in err[0]
+    assert "none of tokenizer.json, tokenizer_config.json" in err[0]

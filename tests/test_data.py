@@ -125,3 +125,26 @@ def test_prompt_id_is_a_hash_of_token_ids():
     a = Prompt((1, 2, 3), Example("a", "1", "x"))
     b = Prompt((1, 2, 3), Example("different text, same ids", "2", "y"))
     assert a.prompt_id == b.prompt_id != Prompt((1, 2), a.example).prompt_id
+
+
+def test_prompts_without_a_known_token_are_rejected_or_filtered_and_lossy_ones_reported(tmp_path):
+    rows = [
+        {"prompt": "12+30=", "answer": "42"},
+        {"prompt": "", "answer": "0"},  # empty
+        {"prompt": "What?", "answer": "1"},  # no character of the built-in alphabet
+        {"prompt": "Answer with \\boxed{}. What is 3+4?", "answer": "7"},  # loses its words
+    ]
+    files = _write_jsonl(tmp_path / "rows.jsonl", rows)
+    cfg = DataConfig(train_files=files, val_files=files, answer_key="answer")
+    with pytest.raises(
+        DataError, match=r"2 of 4 train prompts have no token the tokenizer knows \(first: ''\)"
+    ):
+        load_prompts(cfg, build_tokenizer(), seed=0, log=lambda _: None)
+    said = []
+    train, _ = load_prompts(
+        cfg.model_copy(update={"truncation": "filter"}), build_tokenizer(), seed=0, log=said.append
+    )
+    assert [p.example.prompt for p in train] == ["12+30=", "Answer with \\boxed{}. What is 3+4?"]
+    assert "dropped 2 of 4 train prompts with no token the tokenizer knows" in said[0]
+    assert "1 of 2 train prompts hold characters the tokenizer does not know" in said[1]
+    assert "→ '3+4'" in said[1]

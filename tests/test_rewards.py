@@ -94,3 +94,23 @@ def test_bad_reward_function_config(tmp_path):
         load_reward_function(str(path), "g", 1.0)
     with pytest.raises(RewardFunctionError, match="like verl"):
         load_reward_function(str(path), "f", 1.0)
+
+
+def test_a_reward_function_that_always_fails_stops_the_run_in_one_line(
+    tiny_policy_dir, tmp_path, capsys
+):
+    from specrl.cli import main
+
+    path = tmp_path / "reward.py"
+    path.write_text("def compute_score(data_source, solution_str, ground_truth):\n    return 1.0\n")
+    args = [f"model.path={tiny_policy_dir}", f"trainer.output_dir={tmp_path / 'run'}",
+            f"custom_reward_function.path={path}", "data.train_size=8", "data.val_size=4",
+            "data.train_batch_size=4", "rollout.n=2", "actor.ppo_mini_batch_size=2",
+            "data.max_response_length=8", "trainer.val_before_train=false", "trainer.logger=[jsonl]"]  # fmt: skip
+    assert main(["train", *args]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(
+        f"specrl: error: reward function {path}:compute_score"
+    )
+    assert "failed on 8 of 8 responses at step 1 (first: raised TypeError(" in err[0]
+    assert "reward_model.max_error_ratio" in err[0]

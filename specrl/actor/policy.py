@@ -45,6 +45,7 @@ def load_policy(
             f"model.path {str(directory)!r} could not be loaded ({type(err).__name__}: {first_line}); "
             "check that its weights and tokenizer files are complete"
         ) from None
+    _check_vocabulary(directory, model, tokenizer)
     if tokenizer.pad_token_id is None:
         if tokenizer.eos_token is None:
             raise ModelLoadError(
@@ -56,6 +57,26 @@ def load_policy(
             f"warning: the tokenizer has no pad token; padding with its eos token {tokenizer.eos_token!r}"
         )
     return model, tokenizer
+
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model")
+
+
+def _check_vocabulary(
+    directory: Path, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase
+) -> None:
+    """transformers builds a tokenizer of a single token from a directory without tokenizer
+    files, and the run would only fail later: a vocabulary that is trivial or larger than the
+    model's embedding stops here."""
+    rows = model.get_input_embeddings().num_embeddings
+    if 2 < len(tokenizer) <= rows:
+        return
+    present = [f for f in TOKENIZER_FILES if (directory / f).is_file()]
+    files = f"it has {', '.join(present)}" if present else f"none of {', '.join(TOKENIZER_FILES)}"
+    raise ModelLoadError(
+        f"the tokenizer in model.path {str(directory)!r} has {len(tokenizer)} tokens for a model "
+        f"with {rows} token embeddings ({files}); copy the model's own tokenizer files into it"
+    )
 
 
 def reference_policy(

@@ -65,9 +65,34 @@ def _tokenize(
     split: str,
     log,
 ) -> list[Prompt]:
-    """Prompts longer than data.max_prompt_length stop the run (data.truncation=error) or are
-    dropped and counted (data.truncation=filter)."""
+    """Prompts longer than data.max_prompt_length, and prompts with no token the tokenizer
+    knows (empty text, or only characters it lacks), stop the run (data.truncation=error) or are
+    dropped and counted (data.truncation=filter). Prompts that lose some characters to the
+    tokenizer's unknown token are counted in a warning."""
     prompts = [encode_prompt(e, tokenizer) for e in examples]
+    unknown = tokenizer.unk_token_id
+    known = [p for p in prompts if any(t != unknown for t in p.ids)]
+    empty = [p for p in prompts if all(t == unknown for t in p.ids)]
+    if empty and cfg.truncation == "error":
+        raise DataError(
+            f"{len(empty)} of {len(prompts)} {split} prompts have no token the tokenizer knows "
+            f"(first: {prompt_text(empty[0].example, tokenizer)!r}); remove them, or set "
+            "data.truncation=filter to drop them"
+        )
+    if empty:
+        log(
+            f"data.truncation=filter: dropped {len(empty)} of {len(prompts)} {split} prompts "
+            "with no token the tokenizer knows"
+        )
+        prompts = known
+    lossy = [p for p in prompts if unknown is not None and unknown in p.ids]
+    if lossy:
+        text = prompt_text(lossy[0].example, tokenizer)
+        log(
+            f"warning: {len(lossy)} of {len(prompts)} {split} prompts hold characters the "
+            f"tokenizer does not know, which the model sees as {tokenizer.unk_token!r} (first: "
+            f"{text!r} → {tokenizer.decode(lossy[0].ids, skip_special_tokens=True)!r})"
+        )
     kept = [p for p in prompts if len(p.ids) <= cfg.max_prompt_length]
     too_long = len(prompts) - len(kept)
     if too_long and cfg.truncation == "error":

@@ -1,0 +1,136 @@
+"""Runs that survive users: unusable or shared output directories, starting over, interrupts, a
+crashed metrics log."""
+
+import json
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from specrl.cli import main
+from specrl.trainer import Trainer
+from tests.conftest import read_metrics, small_config
+
+ARGS = [
+    "trainer.logger=[jsonl]", "data.train_size=16", "data.val_size=4", "data.train_batch_size=4",
+    "rollout.n=2", "actor.ppo_mini_batch_size=2", "data.max_response_length=8",
+    "trainer.test_freq=0", "trainer.total_epochs=50", "rollout.spec.tree.adaptive=false",
+]  # fmt: skip
+
+
+def train_command(policy_dir, run, *overrides):
+    return [
+        sys.executable, "-m", "specrl", "train", f"model.path={policy_dir}",
+        f"trainer.output_dir={run}", *ARGS, *overrides,
+    ]  # fmt: skip
+
+
+def wait_for_steps(run, steps, process):
+    """Until metrics.jsonl holds `steps` records (the process must still be running)."""
+    metrics = run / "metrics.jsonl"
+    while not metrics.is_file() or len(metrics.read_text().splitlines()) < steps:
+        assert process.poll() is None, process.communicate()
+        time.sleep(0.05)
+
+
+def one_error_line(capsys):
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1, err
+    return err[0]
+
+
+def test_an_output_dir_that_is_a_file_or_not_writable_stops_before_the_model_loads(
+    tmp_path, capsys
+):
+    file = tmp_path / "taken"
+    file.write_text("x")
+    nowhere = tmp_path / "no-model"  # would fail too, but later: the output dir is checked first
+    assert main(["train", f"model.path={nowhere}", f"trainer.output_dir={file}"]) == 2
+    assert "is a file, not a directory" in one_error_line(capsys)
+    below = file / "run"  # cannot be created (as root, too)
+    assert main(["train", f"model.path={nowhere}", f"trainer.output_dir={below}"]) == 2
+    assert "cannot be created (Not a directory)" in one_error_line(capsys)
+
+
+def test_a_second_run_into_the_same_dir_is_refused_and_the_first_is_intact(
+    tiny_policy_dir, tmp_path
+):
+    run = tmp_path / "run"
+    steps = "trainer.total_training_steps=150"  # still running when the second one starts
+    first = subprocess.Popen(
+        train_command(tiny_policy_dir, run, steps), stderr=subprocess.PIPE, text=True
+    )
+    wait_for_steps(run, 2, first)
+    second = subprocess.run(
+        train_command(tiny_policy_dir, run, steps), capture_output=True, text=True
+    )
+    assert second.returncode == 2
+    assert second.stderr.strip().splitlines() == [
+        f"specrl: error: trainer.output_dir {str(run)!r} is in use by another specrl run (pid "
+        f"{first.pid}); wait for it to finish or choose another trainer.output_dir"
+    ]
+    assert first.wait() == 0, first.stderr.read()
+    logged = [m["training/global_step"] for m in read_metrics(run)]
+    assert logged == list(range(151))  # every step once, in order: nothing interleaved
+    # the lock went with the first process: a third run may resume there
+    resume = train_command(tiny_policy_dir, run, "trainer.total_training_steps=151")
+    assert main(resume[3:]) == 0
+    assert read_metrics(run)[-1]["training/global_step"] == 151
+
+
+def test_starting_over_moves_the_earlier_run_aside(tiny_policy_dir, tmp_path):
+    Trainer(small_config(tiny_policy_dir, tmp_path, "trainer.total_training_steps=1")).fit()
+    earlier = (tmp_path / "metrics.jsonl").read_text()
+    again = Trainer(small_config(tiny_policy_dir, tmp_path, "trainer.resume_mode=disable"))
+    assert not (tmp_path / "checkpoints").exists()  # a later auto resume cannot pick them up
+    aside = tmp_path / "previous-1"
+    assert (aside / "checkpoints" / "global_step_1").is_dir()
+    assert (aside / "metrics.jsonl").read_text() == earlier
+    again.fit()
+    assert [m["training/global_step"] for m in read_metrics(tmp_path)] == [0, 1, 2]
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
+def test_an_interrupted_run_saves_and_its_rerun_resumes_as_if_uninterrupted(
+    tiny_policy_dir, tmp_path, signum
+):
+    straight, run = tmp_path / "straight", tmp_path / "run"
+    steps = "trainer.total_training_steps=10"
+    subprocess.run(train_command(tiny_policy_dir, straight, steps), check=True)
+    process = subprocess.Popen(
+        train_command(tiny_policy_dir, run, steps, "trainer.save_freq=0"),
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    wait_for_steps(run, 3, process)
+    process.send_signal(signum)
+    _, err = process.communicate()
+    assert process.returncode == 128 + signum
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("specrl: interrupted at step "), lines
+    step = int(lines[0].split("interrupted at step ")[1].split(";")[0])
+    assert f"saved {run / 'checkpoints' / f'global_step_{step}'}" in lines[0]
+    assert lines[0].endswith("rerun the same command to resume")
+    subprocess.run(train_command(tiny_policy_dir, run, steps, "trainer.save_freq=0"), check=True)
+    a, b = read_metrics(straight), read_metrics(run)
+    assert [m["training/global_step"] for m in b] == list(range(11))
+    for x, y in zip(a, b, strict=True):
+        for key in ("critic/score/mean", "response_length/mean", "actor/pg_loss"):
+            assert x.get(key) == pytest.approx(y.get(key), rel=1e-5, abs=1e-6), key
+
+
+def test_a_truncated_last_metrics_line_is_dropped_by_resume_and_report(
+    tiny_policy_dir, tmp_path, capsys
+):
+    Trainer(small_config(tiny_policy_dir, tmp_path, "trainer.total_training_steps=1")).fit()
+    metrics = tmp_path / "metrics.jsonl"
+    whole = metrics.read_text()
+    metrics.write_text(whole + '{"training/global_step": 2, "critic/sc')  # killed mid-write
+    capsys.readouterr()
+    assert main(["report", str(tmp_path)]) == 0
+    assert "dropped the unparsable last line 3" in capsys.readouterr().err
+    Trainer(small_config(tiny_policy_dir, tmp_path)).fit()  # resumes from step 1
+    assert [m["training/global_step"] for m in read_metrics(tmp_path)] == [0, 1, 2]
+    assert json.loads(whole.splitlines()[1]) == read_metrics(tmp_path)[1]
