@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import json
 import platform
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from importlib import metadata
 from pathlib import Path
 from typing import Any
@@ -98,9 +98,8 @@ def run_bench(
     result = summarize(runs, cfg, seeds)
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "bench.json").write_text(json.dumps(result, indent=2))
-    trees = any(_uses_tree(m for h in hs for m in h) for hs in runs.values())
-    panels = BENCH_PANELS + ([TREE_PANEL] if trees else [])
-    plot_metrics(plotted, panels, out_dir / "bench.png")
+    title = f"specrl bench: {', '.join(arms)} ({cfg.rollout.spec.acceptance} rule)"
+    plot_metrics(plotted, [*BENCH_PANELS, TREE_PANEL], out_dir / "bench.png", title)
     return result
 
 
@@ -195,10 +194,6 @@ def _spec_rl(
         "step_time_s": {"vanilla": step_time["vanilla"], "spec": step_time["spec"]},
         "decoded_tokens": {"vanilla": vanilla.decoded_tokens, "spec": spec.decoded_tokens},
     }
-
-
-def _uses_tree(steps: Iterable[dict[str, float]]) -> bool:
-    return any("spec/tree/forwards" in m for m in steps)
 
 
 def _train_steps(history: list[dict[str, float]]) -> list[dict[str, float]]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from specrl.config import describe_config, load_config, sections_help
 from specrl.errors import UserError
 from specrl.run_dir import RunInterrupted
 
@@ -15,9 +16,17 @@ def main(argv: list[str] | None = None) -> int:
     )
     commands = parser.add_subparsers(dest="command", required=True)
     train = commands.add_parser(
-        "train", help="train a policy (default: GRPO on the built-in arithmetic task)"
+        "train",
+        help="train a policy (default: GRPO on the built-in arithmetic task)",
+        epilog=sections_help(),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     train.add_argument("--config", help="YAML run config; defaults are the built-in quickstart")
+    train.add_argument(
+        "--print-config",
+        action="store_true",
+        help="print the resolved config (each key with its description and default) and exit",
+    )
     train.add_argument(
         "overrides", nargs="*", metavar="key=value", help="dotted overrides, e.g. rollout.n=4"
     )
@@ -42,6 +51,11 @@ def main(argv: list[str] | None = None) -> int:
         metavar="key=value",
         help="dotted overrides, e.g. rollout.spec.acceptance=exact",
     )
+    config = commands.add_parser(
+        "config", help="print the resolved config, each key with its description and default"
+    )
+    config.add_argument("--config", help="YAML run config")
+    config.add_argument("overrides", nargs="*", metavar="key=value", help="dotted overrides")
     report = commands.add_parser(
         "report", help="plot a run's metrics (RUN_DIR/report.png) and print a summary"
     )
@@ -58,7 +72,11 @@ def main(argv: list[str] | None = None) -> int:
     _quiet_libraries()
     try:
         if args.command == "train":
+            if args.print_config:
+                return _print_config(args.config, args.overrides)
             return _train(args.config, args.overrides)
+        if args.command == "config":
+            return _print_config(args.config, args.overrides)
         if args.command == "bench":
             return _bench(args.config, args.out, args.arms, args.seeds, args.overrides)
         if args.command == "report":
@@ -80,11 +98,19 @@ def _quiet_libraries() -> None:
     hf_logging.set_verbosity_error()
 
 
+def _note(message: str) -> None:
+    print(f"specrl: {message}", file=sys.stderr)
+
+
 def _train(config_path: str | None, overrides: list[str]) -> int:
-    from specrl.config import load_config
     from specrl.trainer import Trainer
 
-    Trainer(load_config(config_path, overrides)).fit()
+    Trainer(load_config(config_path, overrides, log=_note)).fit()
+    return 0
+
+
+def _print_config(config_path: str | None, overrides: list[str]) -> int:
+    print(describe_config(load_config(config_path, overrides, log=_note)))
     return 0
 
 
@@ -95,10 +121,10 @@ def _bench(
     from pathlib import Path
 
     from specrl.bench import parse_arms, parse_seeds, run_bench
-    from specrl.config import load_config
 
     arm_names, seed_list = parse_arms(arms), parse_seeds(seeds)
-    result = run_bench(load_config(config_path, overrides), Path(out), arm_names, seed_list)
+    cfg = load_config(config_path, overrides, log=_note)
+    result = run_bench(cfg, Path(out), arm_names, seed_list)
     print(json.dumps(result, indent=2))
     return 0
 

@@ -9,6 +9,7 @@ load time with one `ConfigError` naming the field.
 from __future__ import annotations
 
 import difflib
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Literal
 
@@ -248,6 +249,9 @@ class RewardModelConfig(Section):
 class CustomRewardConfig(Section):
     path: str | None = Field(None, description="python file holding the reward function")
     name: str = Field("compute_score", description="function name in that file")
+    weight: float = Field(
+        1.0, description="its weight when several functions are given (TRL's reward_weights)"
+    )
 
 
 class TrainerConfig(Section):
@@ -283,8 +287,14 @@ class TrainerConfig(Section):
     )
     num_threads: int | None = Field(None, ge=1, description="torch CPU threads; None: all cores")
     logger: list[Literal["console", "jsonl", "tensorboard", "wandb"]] = Field(
-        ["console", "jsonl"], description="where metrics go"
+        ["console", "jsonl"], description="where metrics go (one name or a list)"
     )
+
+    @field_validator("logger", mode="before")
+    @classmethod
+    def _one_logger_is_a_list(cls, value: Any) -> Any:
+        """verl's scalar `trainer.logger=console` is a list of one."""
+        return [value] if isinstance(value, str) else value
 
     @property
     def run_dir(self) -> Path:
@@ -292,14 +302,34 @@ class TrainerConfig(Section):
 
 
 class Config(Section):
-    data: DataConfig = Field(default_factory=DataConfig)
-    model: ModelConfig = Field(default_factory=ModelConfig)
-    rollout: RolloutConfig = Field(default_factory=RolloutConfig)
-    actor: ActorConfig = Field(default_factory=ActorConfig)
-    algorithm: AlgorithmConfig = Field(default_factory=AlgorithmConfig)
-    reward_model: RewardModelConfig = Field(default_factory=RewardModelConfig)
-    custom_reward_function: CustomRewardConfig = Field(default_factory=CustomRewardConfig)
-    trainer: TrainerConfig = Field(default_factory=TrainerConfig)
+    data: DataConfig = Field(
+        default_factory=DataConfig, description="prompts: built-in task or files, lengths, batch"
+    )
+    model: ModelConfig = Field(default_factory=ModelConfig, description="the policy to train")
+    rollout: RolloutConfig = Field(
+        default_factory=RolloutConfig,
+        description="engine, sampling, slots per prompt, speculative rollouts (rollout.spec)",
+    )
+    actor: ActorConfig = Field(
+        default_factory=ActorConfig, description="PPO update: batches, clipping, KL, optimizer"
+    )
+    algorithm: AlgorithmConfig = Field(
+        default_factory=AlgorithmConfig,
+        description="advantage estimator, DAPO group filter, rollout correction",
+    )
+    reward_model: RewardModelConfig = Field(
+        default_factory=RewardModelConfig,
+        description="reward timeouts and failures, DAPO overlong penalty",
+    )
+    custom_reward_function: CustomRewardConfig | list[CustomRewardConfig] = Field(
+        default_factory=CustomRewardConfig,
+        description="your verl- or TRL-style reward function, or a list of them (path, name, "
+        "weight): the score is their weighted sum",
+    )
+    trainer: TrainerConfig = Field(
+        default_factory=TrainerConfig,
+        description="run length, evaluation, checkpoints, resume, loggers, output directory",
+    )
 
     @model_validator(mode="after")
     def _check_batch_sizes(self) -> Config:
@@ -324,25 +354,100 @@ class Config(Section):
         return self
 
 
-def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Config:
-    """Defaults, then the YAML file, then `key=value` overrides (values parsed as YAML)."""
-    raw: dict[str, Any] = {}
-    if path is not None:
-        raw = _read_yaml(Path(path))
+# verl's spellings of our keys: dotted prefix → ours
+VERL_ALIASES = {
+    "actor_rollout_ref.rollout.": "rollout.",
+    "actor_rollout_ref.actor.": "actor.",
+    "actor_rollout_ref.model.": "model.",
+    "trainer.default_local_dir": "trainer.output_dir",
+}
+
+
+def load_config(path: str | Path | None = None, overrides: Sequence[str] = (), log=None) -> Config:
+    """Defaults, then the YAML file, then `key=value` overrides (values parsed as YAML). verl's
+    spellings of a key (VERL_ALIASES) are accepted, with a note to `log`."""
+    pairs = _flatten(_read_yaml(Path(path))) if path is not None else []
     for item in overrides:
         key, sep, value = item.partition("=")
         if not sep or not key:
             raise ConfigError(f"override {item!r} is not of the form key=value (e.g. rollout.n=4)")
-        _set_dotted(raw, key.strip(), yaml.safe_load(value) if value.strip() else None)
+        pairs.append((key.strip(), yaml.safe_load(value) if value.strip() else None))
+    raw: dict[str, Any] = {}
+    for key, value in pairs:
+        _set_dotted(raw, _unaliased(key, log), value)
     try:
         return Config.model_validate(raw)
     except ValidationError as err:
         raise ConfigError(_describe(err.errors()[0])) from None
 
 
+def describe_config(cfg: BaseModel, indent: str = "") -> str:
+    """The config as YAML, every key with its description and default in a comment."""
+    lines = []
+    for name, field in type(cfg).model_fields.items():
+        value = getattr(cfg, name)
+        if isinstance(value, BaseModel):
+            lines.append(f"{indent}{name}:  # {field.description or ''}".rstrip(" #"))
+            lines.append(describe_config(value, indent + "  "))
+            continue
+        shown = _yaml_scalar(value)
+        default = field.get_default(call_default_factory=True)
+        note = field.description or ""
+        if default != value:
+            note += f" (default: {_yaml_scalar(default)})"
+        lines.append(f"{indent}{name}: {shown}  # {note}")
+    return "\n".join(lines)
+
+
+def sections_help() -> str:
+    """The sections of a config and how to set a key, for `specrl train --help`."""
+    rows = [f"  {name:24} {field.description}" for name, field in Config.model_fields.items()]
+    return "\n".join(
+        [
+            "config sections (every key with its description and default: specrl config):",
+            *rows,
+            "set a key with a dotted override, e.g. rollout.n=16 actor.optim.lr=3e-6, or in a "
+            "YAML file given with --config; verl's names (actor_rollout_ref.rollout.n, "
+            "trainer.default_local_dir) are accepted",
+        ]
+    )
+
+
+def _yaml_scalar(value: Any) -> str:
+    if isinstance(value, tuple):
+        value = list(value)
+    return (
+        yaml.safe_dump(value, default_flow_style=True, width=1000)
+        .strip()
+        .removesuffix("...")
+        .strip()
+    )
+
+
 def save_config(cfg: Config, path: Path) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))
+
+
+def _unaliased(key: str, log) -> str:
+    for theirs, ours in VERL_ALIASES.items():
+        if key == theirs or (theirs.endswith(".") and key.startswith(theirs)):
+            mapped = ours + key.removeprefix(theirs)
+            if log is not None:
+                log(f"note: {key} is verl's name; specrl calls it {mapped}")
+            return mapped
+    return key
+
+
+def _flatten(raw: dict[str, Any], prefix: str = "") -> list[tuple[str, Any]]:
+    """Nested sections → (dotted key, value) pairs; values that are not sections stay whole."""
+    out = []
+    for key, value in raw.items():
+        if isinstance(value, dict) and value:
+            out += _flatten(value, f"{prefix}{key}.")
+        else:
+            out.append((f"{prefix}{key}", value))
+    return out
 
 
 def _read_yaml(path: Path) -> dict[str, Any]:

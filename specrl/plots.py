@@ -7,13 +7,19 @@ from pathlib import Path
 
 
 def plot_metrics(
-    histories: dict[str, list[dict[str, float]]], panels: Sequence[tuple[str, str]], path: Path
+    histories: dict[str, list[dict[str, float]]],
+    panels: Sequence[tuple[str, str]],
+    path: Path,
+    title: str | None = None,
 ) -> None:
+    """One panel per (metric, title) that some history logs (a vanilla run logs no reused
+    token ratio, say), one line per history."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    panels = [p for p in panels if any(p[0] in m for h in histories.values() for m in h)]
     columns = 2
     rows = (len(panels) + columns - 1) // columns
     fig, axes = plt.subplots(rows, columns, figsize=(11, 3.5 * rows), squeeze=False)
@@ -32,6 +38,8 @@ def plot_metrics(
         ax.set_xlabel("step")
         if len(histories) > 1:
             ax.legend()
+    if title:
+        fig.suptitle(title)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)

@@ -35,7 +35,7 @@ def read_history(run_dir: Path) -> list[dict[str, float]]:
 def report(run_dir: Path, console: Console | None = None) -> Path:
     history = read_history(run_dir)
     out = run_dir / "report.png"
-    plot_metrics({run_dir.name: history}, REPORT_PANELS, out)
+    plot_metrics({run_dir.name: history}, REPORT_PANELS, out, title=f"specrl run {run_dir}")
     steps = [m for m in history if m["training/global_step"] > 0]
     vals = [m["val/acc/mean@1"] for m in history if "val/acc/mean@1" in m]
     rows = {

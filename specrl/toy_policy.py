@@ -68,6 +68,10 @@ def ensure_toy_policy(
     staging = path.with_name(path.name + f".tmp{os.getpid()}")
     shutil.rmtree(staging, ignore_errors=True)
     report = build_toy_policy(staging, spec, log)
+    # readable by every user of a shared cache (safetensors writes its file 0600)
+    staging.chmod(0o755)
+    for file in staging.iterdir():
+        file.chmod(0o644)
     shutil.rmtree(path, ignore_errors=True)
     staging.rename(path)
     log(

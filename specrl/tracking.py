@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
@@ -114,6 +115,11 @@ class Tracker:
 
     @contextmanager
     def progress(self, total: int, done: int = 0) -> Iterator[Callable[[dict[str, float]], None]]:
+        """A live progress bar on a terminal; elsewhere (a log file, CI) a plain line every
+        twentieth of the run."""
+        if not self.console.is_terminal:
+            yield self._log_lines(total, done)
+            return
         columns = (
             TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
             TimeRemainingColumn(), TextColumn("{task.description}"),
@@ -122,14 +128,27 @@ class Tracker:
             task = bar.add_task("", total=total, completed=done)
 
             def advance(metrics: dict[str, float]) -> None:
-                live = {short: self.last(key) for key, short in LIVE_METRICS.items()}
-                bar.update(
-                    task,
-                    advance=1,
-                    description=" ".join(f"{k}={v:.3g}" for k, v in live.items() if v is not None),
-                )
+                bar.update(task, advance=1, description=self._live())
 
             yield advance
+
+    def _log_lines(self, total: int, done: int) -> Callable[[dict[str, float]], None]:
+        every, start, first = max(1, total // 20), time.perf_counter(), done
+
+        def advance(metrics: dict[str, float]) -> None:
+            step = int(metrics["training/global_step"])
+            if step % every == 0 or step == total:
+                elapsed = time.perf_counter() - start
+                left = elapsed / max(step - first, 1) * (total - step)
+                self.print(
+                    f"train {step}/{total} ({elapsed:.0f} s, ~{left:.0f} s left) {self._live()}"
+                )
+
+        return advance
+
+    def _live(self) -> str:
+        live = {short: self.last(key) for key, short in LIVE_METRICS.items()}
+        return " ".join(f"{k}={v:.3g}" for k, v in live.items() if v is not None)
 
     def summary(self, run_dir: Path) -> dict[str, float]:
         """The run's headline numbers, printed as a table on the console with where the run is
@@ -144,8 +163,10 @@ class Tracker:
             "val/acc/mean@1 after": self.last("val/acc/mean@1"),
             "critic/score/mean (last step)": self.last("critic/score/mean"),
             "response_length/mean (last step)": self.last("response_length/mean"),
-            "spec/reused_token_ratio (whole run)": spec.ratios()["spec/reused_token_ratio"],
-            "decoded tokens saved by reuse": spec.reused_tokens,
+            "spec/reused_token_ratio (whole run)": spec.ratios()["spec/reused_token_ratio"]
+            if spec.speculative
+            else None,
+            "decoded tokens saved by reuse": spec.reused_tokens if spec.speculative else None,
             "rollout time, total (s)": spec.rollout_s,
             "train time, total (s)": sum(m.get("timing_s/step", 0.0) for m in history),
         }

@@ -24,7 +24,7 @@ from specrl.engines.build import build_engine, logprobs_are_the_trainers
 from specrl.errors import UserError
 from specrl.evaluation import evaluate
 from specrl.metrics import data_metrics, logprob_mismatch, timed
-from specrl.rewards import RewardFunctionError, Scores, load_reward_function, score_rollouts
+from specrl.rewards import RewardFunctionError, Scores, load_reward_functions, score_rollouts
 from specrl.run_dir import RunInterrupted, StopSignals, open_run_dir
 from specrl.speculative.stage import SpeculativeStage
 from specrl.speculative.stats import RolloutStats
@@ -71,10 +71,8 @@ class Trainer:
         self.loader = PromptLoader(
             train, cfg.data.train_batch_size, cfg.data.shuffle, cfg.trainer.seed
         )
-        self.reward_fn = load_reward_function(
-            cfg.custom_reward_function.path,
-            cfg.custom_reward_function.name,
-            cfg.reward_model.timeout_s,
+        self.reward_fn = load_reward_functions(
+            cfg.custom_reward_function, cfg.reward_model.timeout_s
         )
         sampling = SamplingParams(cfg.rollout.temperature, cfg.rollout.top_p, cfg.rollout.top_k)
         self.stage = SpeculativeStage(
@@ -223,10 +221,12 @@ class Trainer:
                 break
         if not kept:  # every group was filtered: train on the last batch (zero advantages)
             kept, kept_scores = rollouts, scores
+        kept_scores = kept_scores.rows(range(min(len(kept), want * n)))
         metrics.update(stats.metrics())
         metrics["reward/errors"] = kept_scores.errors
-        rows = list(range(min(len(kept), want * n)))
-        return kept[: len(rows)], kept_scores.rows(rows)
+        for name, values in kept_scores.components.items():
+            metrics[f"reward/{name}/mean"] = float(np.mean(values))
+        return kept[: len(kept_scores.scores)], kept_scores
 
     def score(self, rollouts: list[Rollout]) -> Scores:
         overlong, R = self.cfg.reward_model.overlong_buffer, self.cfg.data.max_response_length

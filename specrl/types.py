@@ -13,12 +13,14 @@ FinishReason = Literal["stop", "length"]
 
 @dataclass(frozen=True)
 class Example:
-    """One dataset row: the prompt (text or chat messages) and what the reward needs."""
+    """One dataset row: the prompt (text or chat messages) and what the reward needs; `columns`
+    holds every column of the row but the prompt (TRL reward functions receive them all)."""
 
     prompt: str | list[dict[str, str]]
     ground_truth: str
     data_source: str
     extra_info: dict[str, Any] = field(default_factory=dict, compare=False, hash=False)
+    columns: dict[str, Any] = field(default_factory=dict, compare=False, hash=False)
 
 
 @dataclass(frozen=True)

@@ -189,3 +189,44 @@ def test_a_model_dir_without_tokenizer_files_names_them(tmp_path, tiny_policy_di
     assert len(err) == 1
     assert f"the tokenizer in model.path {str(bare)!r} has 1 tokens for a model with 17" in err[0]
     assert "none of tokenizer.json, tokenizer_config.json" in err[0]
+
+
+def test_verl_spellings_are_accepted_with_a_note(tmp_path):
+    notes = []
+    path = tmp_path / "verl.yaml"
+    path.write_text(
+        "actor_rollout_ref:\n  rollout:\n    n: 4\n  actor:\n    optim:\n      lr: 1.0e-5\n"
+    )
+    cfg = load_config(
+        path, ["trainer.default_local_dir=/runs/x", "trainer.logger=console"], log=notes.append
+    )
+    assert (cfg.rollout.n, cfg.actor.optim.lr) == (4, 1e-5)
+    assert (cfg.trainer.output_dir, cfg.trainer.logger) == ("/runs/x", ["console"])
+    assert notes == [
+        "note: actor_rollout_ref.rollout.n is verl's name; specrl calls it rollout.n",
+        "note: actor_rollout_ref.actor.optim.lr is verl's name; specrl calls it actor.optim.lr",
+        "note: trainer.default_local_dir is verl's name; specrl calls it trainer.output_dir",
+    ]
+
+
+def test_the_printed_config_describes_every_key_and_loads_back(tmp_path, capsys):
+    assert main(["config", "rollout.n=4"]) == 0
+    printed = capsys.readouterr().out
+    assert "  n: 4  # slots: responses sampled per prompt (default: 8)" in printed.splitlines()
+    keys = [line for line in printed.splitlines() if ":" in line and not line.endswith(":")]
+    assert all("  # " in line for line in keys)  # every key has its description
+    path = tmp_path / "printed.yaml"
+    path.write_text(printed)
+    assert load_config(path) == load_config(None, ["rollout.n=4"])
+    assert main(["train", "--print-config", "actor_rollout_ref.rollout.n=2"]) == 0
+    out = capsys.readouterr()
+    assert "  n: 2  #" in out.out and "rollout.n" in out.err
+
+
+def test_train_help_lists_the_sections(capsys):
+    with pytest.raises(SystemExit):
+        main(["train", "--help"])
+    out = capsys.readouterr().out
+    for section in ("data", "rollout", "actor", "algorithm", "trainer", "custom_reward_function"):
+        assert f"  {section} " in out
+    assert "specrl config" in out

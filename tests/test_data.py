@@ -46,6 +46,7 @@ def test_plain_jsonl_with_answer_column(tmp_path):
     path = _write_jsonl(tmp_path / "plain.jsonl", [{"prompt": "3+4=", "answer": 7}])
     (example,) = read_examples([path], "prompt", "answer")
     assert (example.prompt, example.ground_truth) == ("3+4=", "7")
+    assert example.columns == {"answer": 7}  # every column but the prompt, for TRL functions
 
 
 def test_chat_template_is_applied_when_the_tokenizer_has_one():

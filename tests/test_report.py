@@ -62,3 +62,16 @@ def test_missing_logger_backend_is_a_clear_error(tiny_policy_dir, tmp_path, monk
         err
         == "specrl: error: trainer.logger includes wandb but it is not installed; pip install 'specrl[wandb]'"
     )
+
+
+def test_the_report_of_a_vanilla_run_leaves_out_what_it_cannot_show(tiny_policy_dir, tmp_path):
+    Trainer(
+        small_config(
+            tiny_policy_dir,
+            tmp_path,
+            "rollout.spec.enabled=false",
+            "rollout.spec.tree.enabled=false",
+        )
+    ).fit()
+    assert main(["report", str(tmp_path)]) == 0
+    assert png_panels(tmp_path / "report.png") == 2  # no reused token ratio: four panels

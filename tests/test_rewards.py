@@ -114,3 +114,32 @@ def test_a_reward_function_that_always_fails_stops_the_run_in_one_line(
     )
     assert "failed on 8 of 8 responses at step 1 (first: raised TypeError(" in err[0]
     assert "reward_model.max_error_ratio" in err[0]
+
+
+def test_trl_functions_get_every_column_and_conversational_completions(tmp_path):
+    """As TRL calls them: every dataset column by name; chat prompts give message completions."""
+    from specrl.config import CustomRewardConfig
+    from specrl.rewards import load_reward_functions
+
+    path = tmp_path / "reward.py"
+    path.write_text(
+        "def exact(completions, solution, prompts, **kwargs):\n"
+        "    return [float(c[0]['content'] == s) for c, s in zip(completions, solution)]\n"
+        "def polite(completions, difficulty, **kwargs):\n"
+        "    assert kwargs['prompts'][0] == [{'role': 'user', 'content': '1+1='}]\n"
+        "    return [0.5 * d for d in difficulty]\n"
+    )
+    chat = [{"role": "user", "content": "1+1="}]
+    examples = [
+        Example(chat, "2", "t", columns={"solution": "2", "difficulty": 1}),
+        Example(chat, "3", "t", columns={"solution": "3", "difficulty": 2}),
+    ]
+    functions = load_reward_functions(
+        [CustomRewardConfig(path=str(path), name="exact", weight=2.0),
+         CustomRewardConfig(path=str(path), name="polite", weight=1.0)],
+        timeout_s=5,
+    )  # fmt: skip
+    out = functions(["2", "4"], examples, ["1+1=", "1+1="])
+    assert out.errors == 0, out.first_error
+    assert out.components == {"exact": [1.0, 0.0], "polite": [0.5, 1.0]}
+    assert out.scores == [2.0 * 1.0 + 0.5, 2.0 * 0.0 + 1.0]

@@ -93,8 +93,10 @@ def test_ppo_update_moves_the_policy_toward_higher_advantage(tiny_policy_dir, tm
         "trainer.save_freq=0", "trainer.test_freq=0", "actor.optim.lr=3e-3", "actor.optim.lr_warmup_steps=0",
     )  # fmt: skip
     Trainer(cfg).fit()
-    scores = [m["critic/score/mean"] for m in read_metrics(tmp_path / "run")[1:]]
+    steps = read_metrics(tmp_path / "run")[1:]
+    scores = [m["critic/score/mean"] for m in steps]
     assert scores[-1] > scores[0]
+    assert [m["reward/compute_score/mean"] for m in steps] == pytest.approx(scores)
 
 
 @pytest.mark.parametrize(
@@ -128,7 +130,7 @@ def test_rollout_logprobs_handed_to_the_trainer_equal_recomputed_old_logprobs(
             recomputed = trainer.actor.logprobs(batch) * batch.response_mask
         handed = batch.pad_responses([r.current_logprobs for r in rollouts])
         assert torch.allclose(handed, recomputed, atol=1e-4)
-    assert metrics["spec/reused_token_ratio"] == (1.0 if spec else 0.0)
+    assert metrics.get("spec/reused_token_ratio", 0.0) == (1.0 if spec else 0.0)
     if tree:  # some of the handed logprobs come from multi-token verification forwards
         assert metrics["spec/tree/accepted_tokens"] > 0
 

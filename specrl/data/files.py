@@ -86,6 +86,7 @@ def _example(row: dict[str, Any], where: str, prompt_key: str, answer_key: str) 
         ground_truth=str(answer),
         data_source=str(row.get("data_source") or "unknown"),
         extra_info=extra if isinstance(extra, dict) else {"value": extra},
+        columns={k: v for k, v in row.items() if k != prompt_key},
     )
 
 

@@ -1,8 +1,14 @@
 """Reward functions: the built-in checkers, and user functions in verl's or TRL's style.
 
 verl:  compute_score(data_source, solution_str, ground_truth, extra_info) -> float | {"score": ...}
-TRL:   reward(completions: list[str], **columns) -> list[float]
-       (columns: prompts, ground_truth, data_source, extra_info, one list entry per completion)
+TRL:   reward(completions, **columns) -> list[float]
+       (columns: every dataset column, and prompts, ground_truth, data_source, extra_info; one
+       list entry per completion. With conversational prompts (chat messages) completions are
+       messages too, [{"role": "assistant", "content": ...}], and prompts the message lists,
+       as TRL passes them)
+
+Several functions (`custom_reward_function` as a list, each with a `weight`, as TRL's
+`reward_weights`) score the weighted sum; each one's mean is logged as `reward/<name>/mean`.
 
 A call that raises, runs past `reward_model.timeout_s`, or returns None / NaN is counted in
 `reward/errors` and scored 0.0, and its first message is kept for the log.
@@ -24,7 +30,7 @@ import torch
 from transformers import PreTrainedTokenizerBase
 
 from specrl.algorithms.dapo import overlong_penalty
-from specrl.config import OverlongBufferConfig
+from specrl.config import CustomRewardConfig, OverlongBufferConfig
 from specrl.data import arithmetic, prompt_text
 from specrl.errors import UserError
 from specrl.rewards import math_answer
@@ -44,6 +50,7 @@ class RewardOutputs:
     scores: list[float]
     errors: int = 0
     first_error: str | None = None
+    components: dict[str, list[float]] = field(default_factory=dict)  # per function, unweighted
 
 
 @dataclass
@@ -52,6 +59,11 @@ class RewardFunction:
     style: Literal["verl", "trl"]
     timeout_s: float = 10.0
     name: str = field(default="")
+
+    @property
+    def short_name(self) -> str:
+        """The function's name, as in `reward/<name>/mean`."""
+        return self.name.rsplit(":", 1)[-1]
 
     def __call__(
         self, solutions: Sequence[str], examples: Sequence[Example], prompts: Sequence[str]
@@ -68,15 +80,21 @@ class RewardFunction:
     def _call_batched(
         self, solutions: Sequence[str], examples: Sequence[Example], prompts: Sequence[str]
     ) -> RewardOutputs:
-        columns = {
-            "prompts": list(prompts),
-            "ground_truth": [e.ground_truth for e in examples],
-            "data_source": [e.data_source for e in examples],
-            "extra_info": [e.extra_info for e in examples],
-        }
+        names = dict.fromkeys(k for e in examples for k in e.columns)
+        columns = {name: [e.columns.get(name) for e in examples] for name in names}
+        conversational = all(isinstance(e.prompt, list) for e in examples)
+        columns.update(
+            prompts=[e.prompt for e in examples] if conversational else list(prompts),
+            ground_truth=[e.ground_truth for e in examples],
+            data_source=[e.data_source for e in examples],
+            extra_info=[e.extra_info for e in examples],
+        )
+        completions: list = list(solutions)
+        if conversational:
+            completions = [[{"role": "assistant", "content": text}] for text in solutions]
         out = RewardOutputs([])
         values, error = call_with_timeout(
-            lambda: self.fn(list(solutions), **columns), (), self.timeout_s * len(solutions)
+            lambda: self.fn(completions, **columns), (), self.timeout_s * len(solutions)
         )
         if error is None and (not isinstance(values, Sequence) or len(values) != len(solutions)):
             error = f"{self.name} returned {type(values).__name__}, expected a list of {len(solutions)} floats"
@@ -98,6 +116,7 @@ class Scores:
     scores: list[float]
     errors: int = 0
     first_error: str | None = None
+    components: dict[str, list[float]] = field(default_factory=dict)  # per reward function
 
     def rows(self, index: Sequence[int]) -> Scores:
         return Scores(
@@ -106,20 +125,61 @@ class Scores:
             [self.scores[i] for i in index],
             self.errors,
             self.first_error,
+            {name: [values[i] for i in index] for name, values in self.components.items()},
         )
 
     def __add__(self, other: Scores) -> Scores:
+        names = dict.fromkeys([*self.components, *other.components])
         return Scores(
             self.texts + other.texts,
             self.acc + other.acc,
             self.scores + other.scores,
             self.errors + other.errors,
             self.first_error or other.first_error,
+            {n: self.components.get(n, []) + other.components.get(n, []) for n in names},
         )
 
 
+@dataclass
+class RewardFunctions:
+    """Several reward functions: the score is the weighted sum of theirs."""
+
+    functions: list[tuple[RewardFunction, float]]
+
+    @property
+    def name(self) -> str:
+        return " + ".join(f.name for f, _ in self.functions)
+
+    def __call__(
+        self, solutions: Sequence[str], examples: Sequence[Example], prompts: Sequence[str]
+    ) -> RewardOutputs:
+        total = RewardOutputs([0.0] * len(solutions))
+        for function, weight in self.functions:
+            out = function(solutions, examples, prompts)
+            total.scores = [t + weight * s for t, s in zip(total.scores, out.scores, strict=True)]
+            total.errors += out.errors
+            total.first_error = total.first_error or out.first_error
+            total.components[function.short_name] = out.scores
+        return total
+
+
+def load_reward_functions(
+    cfg: CustomRewardConfig | Sequence[CustomRewardConfig], timeout_s: float
+) -> RewardFunctions:
+    """The configured reward function(s), each with its weight."""
+    configs = [cfg] if isinstance(cfg, CustomRewardConfig) else list(cfg)
+    functions = [(load_reward_function(c.path, c.name, timeout_s), c.weight) for c in configs]
+    short = [f.short_name for f, _ in functions]
+    duplicate = next((n for n in short if short.count(n) > 1), None)
+    if duplicate is not None:
+        raise RewardFunctionError(
+            f"custom_reward_function lists {duplicate!r} twice; give each function once"
+        )
+    return RewardFunctions(functions)
+
+
 def score_rollouts(
-    reward_fn: RewardFunction,
+    reward_fn: RewardFunction | RewardFunctions,
     tokenizer: PreTrainedTokenizerBase,
     rollouts: Sequence[Rollout],
     overlong: OverlongBufferConfig | None = None,
@@ -140,7 +200,7 @@ def score_rollouts(
             lengths, max_response_length, overlong.len, overlong.penalty_factor
         )
         scores = (torch.tensor(scores) + penalty).tolist()
-    return Scores(texts, out.scores, scores, out.errors, out.first_error)
+    return Scores(texts, out.scores, scores, out.errors, out.first_error, out.components)
 
 
 def builtin_compute_score(

@@ -139,7 +139,9 @@ class SpeculativeStage:
         self, prompts: Sequence[Prompt], n: int, seed_key: tuple, policy_version: int
     ) -> tuple[list[Rollout], RolloutStats]:
         start = time.perf_counter()
-        stats = RolloutStats(tree=self.tree is not None, lenient=self.lenient)
+        stats = RolloutStats(
+            speculative=self.cfg.enabled, tree=self.tree is not None, lenient=self.lenient
+        )
         slots = [
             _Slot(p, s, rollout_seed(*seed_key, p.prompt_id, s), self._draft(p, s))
             for p in prompts

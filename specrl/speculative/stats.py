@@ -40,6 +40,7 @@ class RolloutStats:
     store_entries: int = field(default=0, metadata=GAUGE)
     store_tokens: int = field(default=0, metadata=GAUGE)
     store_bytes: int = field(default=0, metadata=GAUGE)
+    speculative: bool = field(default=False, metadata=GAUGE)  # drafts reused (rollout.spec)
     tree: bool = field(default=False, metadata=GAUGE)  # token-tree drafts in use
     lenient: bool = field(default=False, metadata=GAUGE)  # the lenient rule decided tokens
     tree_nodes: int = field(default=0, metadata=GAUGE)
@@ -94,19 +95,23 @@ class RolloutStats:
         return out
 
     def metrics(self) -> dict[str, float]:
-        """Counts, gauges and ratios under their logged names (tree and lenient-rule names only
-        where those are in use)."""
+        """Counts, gauges and ratios under their logged names; the ratios of draft reuse only in
+        speculative runs, tree and lenient-rule names only where those are in use."""
         out = {
             key: float(getattr(self, name))
             for name, key in METRIC_NAMES.items()
             if self._applies(name)
         }
-        return {**out, **self.ratios()}
+        ratios = self.ratios()
+        if not self.speculative:
+            ratios = {k: v for k, v in ratios.items() if k not in REUSE_RATIOS}
+        return {**out, **ratios}
 
     @classmethod
     def from_metrics(cls, metrics: Mapping[str, float]) -> RolloutStats:
         """The counts and gauges back from one step's logged metrics."""
         values = {name: metrics[key] for name, key in METRIC_NAMES.items() if key in metrics}
+        values["speculative"] = "spec/reused_token_ratio" in metrics
         values["tree"] = "spec/tree/forwards" in metrics
         values["lenient"] = "spec/behaviour_gap_sum" in metrics
         return cls(**values)
@@ -116,6 +121,16 @@ class RolloutStats:
             return self.tree
         return self.lenient or not name.startswith("behaviour_")
 
+
+REUSE_RATIOS = (
+    "spec/reused_token_ratio",
+    "spec/full_reuse_ratio",
+    "spec/draft_ratio",
+    "spec/mean_cut_index",
+    "spec/verified_token_ratio",
+    "spec/draft_age_steps",
+    "spec/draft_logprob_drift",
+)
 
 METRIC_NAMES = {
     "rollouts": "spec/rollouts",
