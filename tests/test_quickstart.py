@@ -23,6 +23,8 @@ def test_toy_policy_build_and_vanilla_grpo_keeps_learning_through_the_default_ru
     assert report["mean_response_length"] >= 40
     assert report["distinct_samples_of_16"] >= 4
     assert ensure_toy_policy(log=pytest.fail) == path  # cached: no second build
+    for file in path.iterdir():  # readable by every user of a shared cache
+        assert file.stat().st_mode & 0o777 == 0o644, file
 
     run = tmp_path / "run"
     command = [

@@ -75,3 +75,24 @@ def test_the_report_of_a_vanilla_run_leaves_out_what_it_cannot_show(tiny_policy_
     ).fit()
     assert main(["report", str(tmp_path)]) == 0
     assert png_panels(tmp_path / "report.png") == 2  # no reused token ratio: four panels
+
+
+def test_off_a_terminal_progress_is_plain_lines_and_the_summary_names_the_run(
+    tiny_policy_dir, tmp_path
+):
+    import io
+
+    from rich.console import Console
+
+    from specrl.tracking import Tracker
+
+    out = io.StringIO()  # not a terminal, as a log file or CI
+    cfg = small_config(tiny_policy_dir, tmp_path, "trainer.logger=[console,jsonl]")
+    tracker = Tracker(cfg.trainer.logger, tmp_path, console=Console(file=out, width=200))
+    Trainer(cfg, tracker=tracker).fit()
+    lines = out.getvalue().splitlines()
+    progress = [line for line in lines if line.startswith("train ")]
+    assert [line.split()[1] for line in progress] == ["1/2", "2/2"]
+    assert "s left) score=" in progress[0]
+    assert not any("━" in line for line in progress)  # no bar drawn into the log
+    assert f"run directory: {tmp_path} (curves and a summary: specrl report {tmp_path})" in lines
