@@ -162,7 +162,11 @@ class RolloutConfig(Section):
 
 
 class OptimConfig(Section):
-    lr: float = Field(1e-4, gt=0.0, description="AdamW learning rate")
+    lr: float = Field(
+        7e-6,
+        gt=0.0,
+        description="AdamW learning rate (the default task keeps learning for 128 steps with it)",
+    )
     weight_decay: float = Field(0.0, ge=0.0, description="AdamW weight decay")
     betas: tuple[float, float] = Field((0.9, 0.99), description="AdamW betas")
     lr_warmup_steps: int = Field(5, ge=0, description="linear warmup steps, then constant")
