@@ -43,24 +43,29 @@ def engine(tiny_model) -> HFEngine:
     return HFEngine(tiny_model, eos_token_ids=[EOS], pad_token_id=PAD)
 
 
-@pytest.fixture(scope="session")
-def tiny_policy_dir(tmp_path_factory):
+def save_tiny_policy(path, initializer_range: float = 0.02):
     """A random tiny Qwen2 over the built-in character tokenizer, saved as a local HF directory
-    (head_dim 32: the smallest vLLM's CPU attention supports)."""
-    path = tmp_path_factory.mktemp("tiny-policy")
+    (head_dim 32: the smallest vLLM's CPU attention supports); `initializer_range` sets how
+    peaked its logits are. → path"""
     tokenizer = build_tokenizer()
     torch.manual_seed(0)
     model = Qwen2ForCausalLM(
         Qwen2Config(
             vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
             num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=128,
-            eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+            initializer_range=initializer_range, eos_token_id=tokenizer.eos_token_id,
+            pad_token_id=tokenizer.pad_token_id,
         )
     )  # fmt: skip
     model.generation_config.eos_token_id = tokenizer.eos_token_id
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)
     return path
+
+
+@pytest.fixture(scope="session")
+def tiny_policy_dir(tmp_path_factory):
+    return save_tiny_policy(tmp_path_factory.mktemp("tiny-policy"))
 
 
 def small_config(policy_dir, out_dir, *overrides):

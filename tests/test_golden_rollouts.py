@@ -2,17 +2,15 @@
 in the logprobs, through refactors. Four arms over four training steps of the built-in task (two
 epochs, so the second epoch verifies drafts from a policy two updates older); the width of tree
 drafts is fixed (the adaptive one follows timings). A changed hash means a change of behaviour:
-explain it in the commit that updates it."""
+explain it in the commit that updates it. Float reductions depend on torch's thread count:
+the runs use two threads (`trainer.num_threads=2`) on any machine."""
 
 import hashlib
 
 import pytest
-import torch
-from transformers import Qwen2Config, Qwen2ForCausalLM
 
-from specrl.toy_policy import build_tokenizer
 from specrl.trainer import Trainer
-from tests.conftest import read_metrics, small_config
+from tests.conftest import read_metrics, save_tiny_policy, small_config
 
 ARMS = {
     "vanilla": ["rollout.spec.enabled=false", "rollout.spec.tree.enabled=false"],
@@ -37,23 +35,9 @@ GOLDEN = {
 
 @pytest.fixture(scope="module")
 def peaked_policy_dir(tmp_path_factory):
-    """A random tiny Qwen2 over the built-in tokenizer with peaked logits (initializer range
-    0.5), so that some draft tokens are accepted and some rejected under both rules."""
-    path = tmp_path_factory.mktemp("peaked-policy")
-    tokenizer = build_tokenizer()
-    torch.manual_seed(0)
-    model = Qwen2ForCausalLM(
-        Qwen2Config(
-            vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-            num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=128,
-            initializer_range=0.5, eos_token_id=tokenizer.eos_token_id,
-            pad_token_id=tokenizer.pad_token_id,
-        )
-    )  # fmt: skip
-    model.generation_config.eos_token_id = tokenizer.eos_token_id
-    model.save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    return path
+    """Peaked logits (initializer range 0.5): some draft tokens are accepted and some rejected
+    under both rules."""
+    return save_tiny_policy(tmp_path_factory.mktemp("peaked-policy"), initializer_range=0.5)
 
 
 def rollout_digest(rollouts) -> str:
@@ -85,7 +69,7 @@ def run_digests(policy_dir, out_dir, overrides) -> list[str]:
     cfg = small_config(
         policy_dir, out_dir, f"custom_reward_function.path={reward}", "data.train_size=8", "trainer.total_training_steps=4",
         "trainer.save_freq=0", "trainer.test_freq=0", "trainer.val_before_train=false",
-        "actor.ppo_micro_batch_size=8", "actor.optim.lr=0.01", *overrides,
+        "actor.ppo_micro_batch_size=8", "actor.optim.lr=0.01", "trainer.num_threads=2", *overrides,
     )  # fmt: skip
     trainer = Trainer(cfg)
     digests = []
