@@ -149,3 +149,19 @@ def test_bench_and_speculative_training_run_on_vllm(tiny_policy_dir, tmp_path):
             assert 0 <= m["rollout_corr/logprob_abs_diff_mean"] < 1e-3
             assert m["rollout_corr/logprob_abs_diff_max"] < 1e-2
             assert m["rollout_corr/rollout_is_mean"] > 0
+
+
+def test_seeded_requests_whose_prefills_exceed_one_step(vllm_engine):
+    """More context than one engine step's token budget, every request seeded, with excluded
+    tokens (the exact rule's residual): vLLM on CPU cannot rewind the generator of a request
+    whose chunked prefill discards its sample, so the engine runs prefills whole there."""
+    synced(vllm_engine, tiny(3))
+    generator = torch.Generator().manual_seed(0)
+    contexts = torch.randint(2, VOCAB, (96, 100), generator=generator).tolist()
+    requests = [
+        GenRequest(c[:60], 8, SamplingParams(), seed=i, prefix_ids=c[60:], excluded_token=c[0])
+        for i, c in enumerate(contexts)
+    ]
+    results = vllm_engine.generate(requests)
+    assert all(r.token_ids and r.token_ids[0] != c[0] for r, c in zip(results, contexts))
+    assert [r.token_ids for r in vllm_engine.generate(requests)] == [r.token_ids for r in results]

@@ -96,6 +96,10 @@ class VLLMEngine:
         self._vllm = vllm
         self.eos_token_ids = frozenset(eos_token_ids)
         self.sleep_mode = sleep_mode
+        # vLLM cannot rewind a CPU generator (no offset): a seeded request whose chunked prefill
+        # discards a sample fails there ("CPU Generator does not use offset"). On CPU every
+        # prefill runs whole.
+        whole_prefills = {"enable_chunked_prefill": False} if _on_cpu(vllm) else {}
         self.llm = vllm.LLM(
             model=str(path),
             skip_tokenizer_init=True,
@@ -108,6 +112,7 @@ class VLLMEngine:
             gpu_memory_utilization=gpu_memory_utilization,
             enable_sleep_mode=sleep_mode,
             weight_transfer_config={"backend": BACKEND},
+            **whole_prefills,
         )
         self.llm.init_weight_transfer_engine({"init_info": {}})
         self.vocab_size = self.llm.llm_engine.model_config.get_vocab_size()
@@ -255,6 +260,10 @@ class VLLMEngine:
     def wake_up(self) -> None:
         if self.sleep_mode:
             self.llm.wake_up()
+
+
+def _on_cpu(vllm) -> bool:
+    return vllm.platforms.current_platform.is_cpu()
 
 
 def _no_prefixes(prefixes: Prefixes | None) -> None:
