@@ -163,5 +163,7 @@ def test_seeded_requests_whose_prefills_exceed_one_step(vllm_engine):
         for i, c in enumerate(contexts)
     ]
     results = vllm_engine.generate(requests)
-    assert all(r.token_ids and r.token_ids[0] != c[0] for r, c in zip(results, contexts))
+    assert all(
+        r.token_ids and r.token_ids[0] != c[0] for r, c in zip(results, contexts, strict=True)
+    )
     assert [r.token_ids for r in vllm_engine.generate(requests)] == [r.token_ids for r in results]
