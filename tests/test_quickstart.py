@@ -1,5 +1,6 @@
 """The embedded default end to end: build the tiny policy from scratch, then the whole default
-run with the CLI. Slow (about 8 minutes on 2 cores); CI runs it."""
+run with the CLI, in-process and on two Ray rollout workers. Slow (about 8 minutes on 2 cores
+each); CI runs them."""
 
 import json
 import os
@@ -11,12 +12,38 @@ import pytest
 from specrl.toy_policy import ensure_toy_policy
 
 
+@pytest.fixture(scope="module")
+def fresh_cache(tmp_path_factory):
+    """A cache into which the built-in policy is built from scratch, once for this module."""
+    cache = tmp_path_factory.mktemp("cache")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("SPECRL_CACHE", str(cache))
+        path = ensure_toy_policy(log=lambda _: None)
+    return cache, path
+
+
+def train_curve(run, cache, *overrides) -> dict[int, float]:
+    """`specrl train` with the default config and `overrides` → held-out accuracy by step."""
+    command = [sys.executable, "-m", "specrl", "train", f"trainer.output_dir={run}", *overrides]
+    subprocess.run(command, check=True, env={**os.environ, "SPECRL_CACHE": str(cache)})
+    metrics = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    return {
+        m["training/global_step"]: m["val/acc/mean@1"] for m in metrics if "val/acc/mean@1" in m
+    }
+
+
+def assert_keeps_learning(curve: dict[int, float]) -> None:
+    last = max(curve)
+    assert curve[last] - curve[0] >= 0.20, curve  # RL learns the task
+    assert curve[last] - curve[last // 2] >= 0.05, curve  # and is still learning in its second half
+
+
 @pytest.mark.slow
 def test_toy_policy_build_and_vanilla_grpo_keeps_learning_through_the_default_run(
-    tmp_path, monkeypatch
+    tmp_path, fresh_cache, monkeypatch
 ):
-    monkeypatch.setenv("SPECRL_CACHE", str(tmp_path / "cache"))
-    path = ensure_toy_policy(log=lambda _: None)
+    cache, path = fresh_cache
+    monkeypatch.setenv("SPECRL_CACHE", str(cache))
     report = json.loads((path / "build.json").read_text())
     # the warm start leaves RL room: imperfect but not hopeless, long responses, varied samples
     assert 0.05 <= report["val_acc"] <= 0.40
@@ -25,18 +52,21 @@ def test_toy_policy_build_and_vanilla_grpo_keeps_learning_through_the_default_ru
     assert ensure_toy_policy(log=pytest.fail) == path  # cached: no second build
     for file in path.iterdir():  # readable by every user of a shared cache
         assert file.stat().st_mode & 0o777 == 0o644, file
+    curve = train_curve(
+        tmp_path / "run", cache, "rollout.spec.enabled=false", "rollout.spec.tree.enabled=false"
+    )
+    assert_keeps_learning(curve)
 
+
+@pytest.mark.slow
+@pytest.mark.ray
+def test_the_default_run_on_two_rollout_workers(tmp_path, fresh_cache):
+    pytest.importorskip("ray", reason="ray is not installed (pip install 'specrl[ray]')")
+    cache, _ = fresh_cache
     run = tmp_path / "run"
-    command = [
-        sys.executable, "-m", "specrl", "train", f"trainer.output_dir={run}",
-        "rollout.spec.enabled=false", "rollout.spec.tree.enabled=false",
-    ]  # fmt: skip
-    subprocess.run(command, check=True, env={**os.environ, "SPECRL_CACHE": str(tmp_path / "cache")})
+    curve = train_curve(run, cache, "rollout.num_workers=2")
+    assert_keeps_learning(curve)
     metrics = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-    curve = {
-        m["training/global_step"]: m["val/acc/mean@1"] for m in metrics if "val/acc/mean@1" in m
-    }
-    last = max(curve)
-    gain = curve[last] - curve[0]
-    assert gain >= 0.20, curve  # RL learns the task
-    assert curve[last] - curve[last // 2] >= 0.05, curve  # and is still learning in its second half
+    steps = [m for m in metrics if "rollout/num_workers" in m]
+    assert len(steps) == 128 and all(m["rollout/num_workers"] == 2 for m in steps)
+    assert sum(m["spec/reused_tokens"] for m in steps) > 0

@@ -6,6 +6,7 @@ from pathlib import Path
 
 from transformers import PreTrainedModel
 
+from specrl.actor.policy import load_policy
 from specrl.config import Config
 from specrl.engines.hf import HFEngine
 from specrl.engines.protocol import RolloutEngine, SamplingParams
@@ -18,9 +19,26 @@ def build_engine(
     copies nothing. vllm loads `model_dir` and then takes the policy's current weights."""
     if cfg.rollout.name == "hf":
         return HFEngine(policy, eos_ids, pad_id, cfg.rollout.max_batch_size)
+    engine = _vllm_engine(cfg, eos_ids, model_dir)
+    engine.load_weights(policy.state_dict())
+    return engine
+
+
+def build_worker_engine(
+    cfg: Config, eos_ids: list[int], pad_id: int, model_dir: Path
+) -> RolloutEngine:
+    """The engine of a rollout worker: its own copy of the model in `model_dir` (the weights are
+    replaced by the trainer's at the first sync)."""
+    if cfg.rollout.name == "hf":
+        policy = load_policy(model_dir, cfg.model.dtype)[0].eval().requires_grad_(False)
+        return HFEngine(policy, eos_ids, pad_id, cfg.rollout.max_batch_size)
+    return _vllm_engine(cfg, eos_ids, model_dir)
+
+
+def _vllm_engine(cfg: Config, eos_ids: list[int], model_dir: Path) -> RolloutEngine:
     from specrl.engines.vllm.engine import VLLMEngine
 
-    engine = VLLMEngine.shared(
+    return VLLMEngine.shared(
         str(model_dir),
         eos_ids,
         dtype=cfg.model.dtype,
@@ -29,19 +47,15 @@ def build_engine(
         sleep_mode=cfg.rollout.enable_sleep_mode,
         seed=cfg.trainer.seed,
     )
-    engine.load_weights(policy.state_dict())
-    return engine
 
 
-def logprobs_are_the_trainers(
-    engine: RolloutEngine, policy: PreTrainedModel, sampling: SamplingParams
-) -> bool:
-    """Whether the rollout logprobs are the trainer's own old log-probs: the engine runs the
-    trainer's model object and samples from softmax(logits / T) untruncated, so they need no
+def logprobs_are_the_trainers(cfg: Config, sampling: SamplingParams) -> bool:
+    """Whether the rollout logprobs are the trainer's own old log-probs: the engine is the
+    trainer's model code (hf: its model object in-process, an exact copy of its weights on a
+    rollout worker) sampling from softmax(logits / T) untruncated, so they need no
     recomputation."""
     return (
-        isinstance(engine, HFEngine)
-        and engine.model is policy
+        cfg.rollout.name == "hf"
         and sampling.temperature > 0
         and sampling.top_p == 1
         and sampling.top_k == 0

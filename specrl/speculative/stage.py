@@ -201,6 +201,13 @@ class SpeculativeStage:
         if self.tree is not None and state["tree"] is not None:
             self.tree.import_(state["tree"])
 
+    def drop(self, prompt_ids: Iterable[str]) -> None:
+        """Forget these prompts' drafts and trees (they moved to another stage)."""
+        prompt_ids = list(prompt_ids)
+        self.store.drop(prompt_ids)
+        if self.tree is not None:
+            self.tree.drop(prompt_ids)
+
     # ---------------------------------------------------------------- drafts and verification
     def _draft(self, prompt: Prompt, slot: int) -> StoredRollout | None:
         if not self.cfg.enabled:

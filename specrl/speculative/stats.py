@@ -9,8 +9,10 @@ themselves, so that any span of a run's metrics can be summed back into a `Rollo
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, fields
+
+import numpy as np
 
 GAUGE = {"gauge": True}
 
@@ -37,6 +39,11 @@ class RolloutStats:
     verify_s: float = 0.0
     gen_s: float = 0.0
     rollout_s: float = 0.0
+    migrated_prompts: int = 0  # rollout workers: prompts (with their state) moved to another
+    worker_restarts: int = 0
+    worker_busy_max_s: float = 0.0  # Σ over calls of the busiest worker's rollout seconds
+    worker_busy_mean_s: float = 0.0  # Σ over calls of the mean worker's
+    workers: int = field(default=0, metadata=GAUGE)  # live rollout workers (0: in-process)
     store_entries: int = field(default=0, metadata=GAUGE)
     store_tokens: int = field(default=0, metadata=GAUGE)
     store_bytes: int = field(default=0, metadata=GAUGE)
@@ -60,6 +67,24 @@ class RolloutStats:
     @classmethod
     def total(cls, stats: Iterable[RolloutStats]) -> RolloutStats:
         return sum(stats, cls())
+
+    @classmethod
+    def of_workers(cls, stats: Sequence[RolloutStats], wall_s: float) -> RolloutStats:
+        """One call over several workers, each holding a shard: counts and the sizes of the
+        shards add up; the timings are the slowest worker's (they ran side by side), the
+        rollout time the caller's `wall_s`; the acceptance estimate is the workers' mean."""
+        out = cls.total(stats)
+        for name in GAUGE_SUMS:
+            setattr(out, name, sum(getattr(s, name) for s in stats))
+        for flag in ("speculative", "tree", "lenient"):
+            setattr(out, flag, any(getattr(s, flag) for s in stats))
+        out.verify_s = max((s.verify_s for s in stats), default=0.0)
+        out.gen_s = max((s.gen_s for s in stats), default=0.0)
+        out.rollout_s = wall_s
+        out.tree_acceptance_estimate = float(
+            np.mean([s.tree_acceptance_estimate for s in stats]) if stats else 0.0
+        )
+        return out
 
     @classmethod
     def of_steps(cls, history: Iterable[Mapping[str, float]]) -> RolloutStats:
@@ -92,6 +117,10 @@ class RolloutStats:
                 self.tree_draft_tokens, 1
             )
             out["spec/tree/mean_width"] = self.tree_width_sum / max(self.tree_width_forwards, 1)
+        if self.workers:
+            out["perf/rollout_imbalance"] = self.worker_busy_max_s / max(
+                self.worker_busy_mean_s, 1e-9
+            )
         return out
 
     def metrics(self) -> dict[str, float]:
@@ -119,8 +148,12 @@ class RolloutStats:
     def _applies(self, name: str) -> bool:
         if name.startswith("tree_"):
             return self.tree
+        if name in WORKER_COUNTS:
+            return self.workers > 0
         return self.lenient or not name.startswith("behaviour_")
 
+
+GAUGE_SUMS = ("store_entries", "store_tokens", "store_bytes", "tree_nodes", "tree_prompts")
 
 REUSE_RATIOS = (
     "spec/reused_token_ratio",
@@ -130,6 +163,14 @@ REUSE_RATIOS = (
     "spec/verified_token_ratio",
     "spec/draft_age_steps",
     "spec/draft_logprob_drift",
+)
+
+WORKER_COUNTS = (
+    "migrated_prompts",
+    "worker_restarts",
+    "worker_busy_max_s",
+    "worker_busy_mean_s",
+    "workers",
 )
 
 METRIC_NAMES = {
@@ -153,6 +194,11 @@ METRIC_NAMES = {
     "verify_s": "timing_s/verify",
     "gen_s": "timing_s/gen",
     "rollout_s": "timing_s/rollout",
+    "migrated_prompts": "rollout/migrated_prompts",
+    "worker_restarts": "rollout/worker_restarts",
+    "worker_busy_max_s": "rollout/worker_busy_max_s",
+    "worker_busy_mean_s": "rollout/worker_busy_mean_s",
+    "workers": "rollout/num_workers",
     "store_entries": "spec/store_entries",
     "store_tokens": "spec/store_tokens",
     "store_bytes": "spec/store_bytes",

@@ -78,14 +78,20 @@ class RolloutStore:
             key = (pid, int(slot))
             if key in self._entries:
                 self._count(self._entries[key], -1)
-            entry = StoredRollout(
-                state["token_ids"][offsets[i] : offsets[i + 1]],
-                state["current_logprobs"][offsets[i] : offsets[i + 1]],
+            entry = StoredRollout(  # copies: the state may be a read-only buffer (Ray)
+                np.array(state["token_ids"][offsets[i] : offsets[i + 1]]),
+                np.array(state["current_logprobs"][offsets[i] : offsets[i + 1]]),
                 state["finish_reasons"][i],
                 int(state["policy_versions"][i]),
             )
             self._entries[key] = entry
             self._count(entry, 1)
+
+    def drop(self, prompt_ids: Iterable[str]) -> None:
+        """Forget these prompts (every slot): another stage owns them now."""
+        gone = set(prompt_ids)
+        for key in [k for k in self._entries if k[0] in gone]:
+            self._count(self._entries.pop(key), -1)
 
     def _pack(self, keys: list[tuple[str, int]]) -> dict[str, Any]:
         entries = [self._entries[k] for k in keys]

@@ -231,6 +231,13 @@ class TokenTree:
             self.nodes -= tree.nodes
         return freed
 
+    def drop(self, prompt_ids: Iterable[str]) -> None:
+        """Forget these prompts' trees: another stage owns them now."""
+        for pid in prompt_ids:
+            tree = self._trees.pop(pid, None)
+            if tree is not None:
+                self.nodes -= tree.nodes
+
     def state_dict(self) -> dict[str, Any]:
         return self.export(self._trees)
 

@@ -1,0 +1,193 @@
+"""Rollout-stage scaling on Ray: in-process vs 1 and 2 rollout workers, with a fixed policy.
+
+The built-in policy rolls out the training prompts of the default task for several rounds
+(each round a batch of `data.train_batch_size` prompts × `rollout.n` slots; the batches cycle,
+so from the second pass on drafts are verified with the default exact rule). Three arms, each
+with its own stage state and the same seeds, run interleaved round by round so they see the
+same machine state: in-process (torch at 1 thread), 1 worker and 2 workers (1 thread each).
+Every arm samples the same tokens; only time differs.
+
+Per arm and round it records the rollout wall time, the busiest worker's time (the rest is
+dispatch: planning, hand-over, (de)serialisation), the predicted and measured imbalance, the
+prompts migrated, and the time of one weight sync (ray.put + every worker loading it). From
+them: Ray's overhead (T1 / T_in-process), the parallel efficiency T_in-process / (2 · T2), and a
+step-time model
+
+    T(N) = d(N) + W · imbalance(N) / N
+
+with W the in-process rollout time and d the dispatch overhead measured at N = 1; its
+prediction for N = 2 is checked against the measurement and it projects larger N (dispatch
+held at its N = 2 value, imbalance at 1.08, the planner's level at 8-64 workers). The 1-minute
+load average is recorded before and after: a run started on a busy machine (load > 0.5) is
+flagged. Writes OUT/ray_scaling.json and OUT/ray_scaling.png.
+
+    python benchmarks/ray_scaling.py --out benchmarks/cpu-hf-ray-scaling
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import time
+from pathlib import Path
+
+import numpy as np
+import ray
+import torch
+import transformers
+
+from specrl.actor.policy import eos_token_ids
+from specrl.config import load_config
+from specrl.distributed.rollout import RolloutWorkers, start_ray
+from specrl.speculative.stage import SpeculativeStage
+from specrl.trainer import Trainer
+
+ARMS = ("in-process", "1 worker", "2 workers")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--out", default="ray-scaling")
+    parser.add_argument("--rounds", type=int, default=8)
+    args = parser.parse_args()
+    out = Path(args.out)
+    load_before = os.getloadavg()[0]
+    cfg = load_config(
+        None,
+        [f"trainer.output_dir={out / 'run'}", "trainer.logger=[]", "trainer.resume_mode=disable"],
+    )
+    trainer = Trainer(cfg)  # the built-in policy, tokenizer, data and engine
+    start_ray(cfg.ray_kwargs.ray_init)
+    sampling = trainer.stage.sampling
+    policy = trainer.actor.policy
+    eos = eos_token_ids(policy, trainer.tokenizer)
+    groups = {
+        k: RolloutWorkers(
+            cfg.model_copy(update={"rollout": cfg.rollout.model_copy(update={"num_workers": k})}),
+            trainer.model_dir,
+            eos,
+            trainer.tokenizer.pad_token_id,
+            sampling,
+        )
+        for k in (1, 2)
+    }
+    sync_s = {k: [] for k in groups}
+    for k, group in groups.items():
+        for _ in range(3):
+            start = time.perf_counter()
+            group.load_weights(policy.state_dict(), 0)
+            sync_s[k].append(time.perf_counter() - start)
+    R, n = cfg.data.max_response_length, cfg.rollout.n
+    local = SpeculativeStage(trainer.engine, sampling, R, cfg.rollout.spec)
+    torch.set_num_threads(1)  # as each worker runs
+    history: dict[str, list[dict[str, float]]] = {arm: [] for arm in ARMS}
+    identical = True
+    for round_ in range(args.rounds):
+        batch = trainer.loader.next_batch()
+        tokens = []
+        for arm, stage in zip(ARMS, (local, groups[1], groups[2]), strict=True):
+            start = time.perf_counter()
+            rollouts, stats = stage(batch, n, ("ray-bench", round_), 0)
+            wall = time.perf_counter() - start
+            busy = stats.worker_busy_max_s if stats.workers else wall
+            history[arm].append(
+                {
+                    "training/global_step": round_,
+                    "rollout_s": wall,
+                    "busiest_worker_s": busy,
+                    "dispatch_s": wall - busy,
+                    "imbalance": stats.ratios().get("perf/rollout_imbalance", 1.0),
+                    "migrated_prompts": stats.migrated_prompts,
+                    "reused_token_ratio": stats.ratios()["spec/reused_token_ratio"],
+                }
+            )
+            tokens.append([r.token_ids for r in rollouts])
+            print(f"round {round_} {arm}: {wall:.2f} s", flush=True)
+        identical &= all(t == tokens[0] for t in tokens)
+    for group in groups.values():
+        group.shutdown()
+    load_after = os.getloadavg()[0]
+
+    def mean(arm: str, key: str) -> float:
+        return float(np.mean([m[key] for m in history[arm][1:]]))  # round 0 warms up
+
+    w, t1, t2 = (
+        mean("in-process", "rollout_s"),
+        mean("1 worker", "rollout_s"),
+        mean("2 workers", "rollout_s"),
+    )
+    d1, d2 = mean("1 worker", "dispatch_s"), mean("2 workers", "dispatch_s")
+    imbalance2 = mean("2 workers", "imbalance")
+    predicted2 = d1 + w * imbalance2 / 2
+    projection = {
+        str(k): d2 + w * 1.08 / k for k in (4, 8, 16, 32, 64)
+    }  # in-process seconds of this batch, spread over k workers
+    result = {
+        "rounds": args.rounds,
+        "prompts_per_round": cfg.data.train_batch_size,
+        "slots": n,
+        "acceptance": cfg.rollout.spec.acceptance,
+        "rollout_s": {"in-process": w, "1 worker": t1, "2 workers": t2},
+        "ray_overhead": t1 / w,
+        "parallel_efficiency": w / (2 * t2),
+        "speedup_2_workers": w / t2,
+        "dispatch_s": {"1 worker": d1, "2 workers": d2},
+        "imbalance_2_workers": imbalance2,
+        "migrated_prompts_per_round": mean("2 workers", "migrated_prompts"),
+        "sync_s": {f"{k} worker(s)": float(np.median(v)) for k, v in sync_s.items()},
+        "model": {
+            "formula": "T(N) = d(N) + W * imbalance(N) / N",
+            "W_s": w,
+            "predicted_2_workers_s": predicted2,
+            "measured_2_workers_s": t2,
+            "relative_error": predicted2 / t2 - 1,
+            "projection_s": projection,
+        },
+        "identical_rollouts": identical,
+        "load_average": {"before": load_before, "after": load_after},
+        "busy_machine": load_before > 0.5,
+        "engine": f"hf (transformers {transformers.__version__}, torch {torch.__version__})",
+        "ray": ray.__version__,
+        "machine": f"{platform.machine()} {os.cpu_count()} cores, 1 torch thread per arm",
+    }
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "ray_scaling.json").write_text(json.dumps(result, indent=2))
+    _plot(history, result, out / "ray_scaling.png")
+    print(json.dumps(result, indent=2))
+
+
+def _plot(history: dict[str, list[dict[str, float]]], result: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 3.5))
+    for arm, rows in history.items():
+        left.plot(
+            [m["training/global_step"] for m in rows], [m["rollout_s"] for m in rows], label=arm
+        )
+    left.set_title("rollout time per round (s)")
+    left.set_xlabel("round")
+    left.legend()
+    measured = {1: result["rollout_s"]["1 worker"], 2: result["rollout_s"]["2 workers"]}
+    projected = {int(k): v for k, v in result["model"]["projection_s"].items()}
+    right.plot(list(measured), list(measured.values()), "o", label="measured")
+    right.plot([2], [result["model"]["predicted_2_workers_s"]], "x", label="model at N = 2")
+    right.plot(list(projected), list(projected.values()), "--", label="model, projected")
+    right.axhline(result["rollout_s"]["in-process"], color="grey", lw=0.8, label="in-process")
+    right.set_xscale("log", base=2)
+    right.set_yscale("log")
+    right.set_title("rollout time per batch vs rollout workers N")
+    right.set_xlabel("N")
+    right.legend()
+    fig.suptitle("rollout stage on Ray (fixed policy, 1 thread per worker)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,339 @@
+"""Rollout workers on Ray, driven by the trainer (single controller).
+
+`RolloutWorkers` stands where the in-process `SpeculativeStage` and engine stand: called with a
+batch of prompts it returns their rollouts and a `RolloutStats`; `load_weights` publishes new
+weights; `generate` serves evaluation; `state_dict` / `load_state_dict` are the stage's format, so
+a run saved with N workers resumes with 0, 1 or M.
+
+Each worker owns a shard of prompts (their drafts and trees). Per call the planner keeps prompts
+on their owner within the balance slack and moves the rest with their state. Every call returns
+a delta (the state of the prompts it touched) which the controller keeps in `self.shards`; a
+worker that dies mid-call is restarted by Ray, given back its shard from there, the current
+weights, and the same request with the same seeds: its rollouts are the ones it would have
+returned. A worker past its restarts is retired and its prompts move to the others.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from specrl.config import Config, RayInitConfig
+from specrl.distributed.planner import plan_dispatch
+from specrl.distributed.worker import RolloutWorker, WorkerResult
+from specrl.engines import GenRequest, GenResult, SamplingParams
+from specrl.errors import UserError
+from specrl.speculative.stats import RolloutStats
+from specrl.speculative.store import RolloutStore
+from specrl.speculative.tree import TokenTree
+from specrl.types import Prompt, Rollout
+
+
+class RolloutWorkersError(UserError):
+    """Every rollout worker died."""
+
+
+def import_ray():
+    try:
+        import ray
+    except ImportError:
+        raise UserError(
+            "rollout.num_workers > 0 needs Ray: pip install 'specrl[ray]' (or set "
+            "rollout.num_workers=0 to roll out in the trainer's process)"
+        ) from None
+    return ray
+
+
+def start_ray(cfg: RayInitConfig) -> None:
+    """Join `cfg.address`, or start a local Ray bound to loopback without dashboard or usage
+    stats; a Ray already initialised in this process is used as it is."""
+    ray = import_ray()
+    if ray.is_initialized():
+        return
+    if cfg.address is not None:
+        ray.init(address=cfg.address)
+        return
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+    ray.init(
+        num_cpus=cfg.num_cpus,
+        include_dashboard=False,
+        _node_ip_address="127.0.0.1",
+        log_to_driver=True,
+    )
+
+
+class _Shards:
+    """The controller's copy of every prompt's speculative state, as the workers last reported
+    it (the store and trees in the stage's own formats)."""
+
+    def __init__(self) -> None:
+        self.store = RolloutStore()
+        self.tree = TokenTree()  # never evicts: the workers do, each within its share
+        self.has_tree = False
+
+    def update(self, delta: dict[str, Any]) -> None:
+        self.store.import_(delta["store"])
+        if delta["tree"] is not None:
+            self.has_tree = True
+            self.tree.import_(delta["tree"])
+
+    def export(self, prompt_ids: Iterable[str]) -> dict[str, Any]:
+        prompt_ids = list(prompt_ids)
+        return {
+            "store": self.store.export(prompt_ids),
+            "tree": self.tree.export(prompt_ids) if self.has_tree else None,
+        }
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "store": self.store.state_dict(),
+            "tree": self.tree.state_dict() if self.has_tree else None,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.store.load_state_dict(state["store"])
+        self.has_tree = state["tree"] is not None
+        if self.has_tree:
+            self.tree.load_state_dict(state["tree"])
+
+
+class RolloutWorkers:
+    def __init__(
+        self,
+        cfg: Config,
+        model_dir: Path,
+        eos_ids: list[int],
+        pad_id: int,
+        sampling: SamplingParams,
+        log: Callable[[str], None] = print,
+    ) -> None:
+        ray = import_ray()
+        start_ray(cfg.ray_kwargs.ray_init)
+        self._ray = ray
+        self.cfg = cfg
+        self.log = log
+        rollout = cfg.rollout
+        actor = ray.remote(RolloutWorker).options(
+            num_cpus=rollout.num_cpus_per_worker,
+            num_gpus=rollout.num_gpus_per_worker,
+            max_restarts=rollout.fault_tolerance.max_restarts,
+            max_task_retries=0,  # a retried call would run without its shard: we re-send it
+        )
+        n = rollout.num_workers
+        self.handles = [
+            actor.remote(cfg, model_dir, eos_ids, pad_id, sampling, n) for _ in range(n)
+        ]
+        self.live = list(range(n))
+        self.owners: dict[str, int] = {}  # prompt id → worker holding its drafts and tree
+        self.costs: dict[str, float] = {}  # prompt id → tokens of its last rollouts
+        self.shards = _Shards()
+        self.weights: Any = None  # object ref of the current weights
+        self.version: int | None = None
+        self.restarts = 0
+        self.migrated = 0  # prompts handed to a new worker with their drafts and trees
+        width = ray.get([h.draft_width.remote() for h in self.handles])[0]  # engines built
+        self.draft_widths: dict[int, dict[str, Any]] = dict.fromkeys(self.live, width)
+
+    # ---------------------------------------------------------------- rollouts
+    def __call__(
+        self, prompts: Sequence[Prompt], n: int, seed_key: tuple, policy_version: int
+    ) -> tuple[list[Rollout], RolloutStats]:
+        start = time.perf_counter()
+        ids = [p.prompt_id for p in prompts]
+        plan = plan_dispatch(
+            ids, self.costs, self.owners, self.live, self.cfg.rollout.dispatch.max_imbalance
+        )
+        restarts, migrated = self.restarts, self.migrated
+        shards = [shard for shard in plan.shards if shard]
+        workers = [self.live[j] for j, shard in enumerate(plan.shards) if shard]
+        calls = [
+            self._rollout_call([prompts[i] for i in shard], n, seed_key, policy_version)
+            for shard in shards
+        ]
+        done = self._run(workers, calls)
+        out: list[Rollout] = [None] * (len(prompts) * n)  # type: ignore[list-item]
+        busy = dict.fromkeys(self.live, 0.0)
+        for shard, (w, result) in zip(shards, done, strict=True):
+            if result.policy_version != policy_version:
+                raise RuntimeError(
+                    f"rollout worker {w} holds the weights of step {result.policy_version}, "
+                    f"step {policy_version} needs its own"
+                )
+            for k, i in enumerate(shard):
+                out[i * n : (i + 1) * n] = result.rollouts[k * n : (k + 1) * n]
+            busy[w] += result.stats.rollout_s
+        for pid in ids:
+            self.costs[pid] = 0.0
+        for r in out:
+            self.costs[r.prompt.prompt_id] += len(r.token_ids)
+        stats = RolloutStats.of_workers([r.stats for _, r in done], time.perf_counter() - start)
+        stats.workers = len(self.live)
+        stats.migrated_prompts = self.migrated - migrated
+        stats.worker_restarts = self.restarts - restarts
+        stats.worker_busy_max_s = max(busy.values())
+        stats.worker_busy_mean_s = sum(busy.values()) / len(busy)
+        return out, stats
+
+    def _rollout_call(self, prompts: list[Prompt], n: int, seed_key: tuple, version: int):
+        """The call rolling `prompts` out on a worker: first it takes over the prompts it does not
+        own (their state from `self.shards`; the previous owner forgets them), then it rolls
+        them out. The result's delta and draft widths are kept here."""
+        ids = list(dict.fromkeys(p.prompt_id for p in prompts))
+
+        def submit(w: int):
+            handle = self.handles[w]
+            incoming = [p for p in ids if self.owners.get(p) != w]
+            for old in {self.owners[p] for p in incoming if p in self.owners} & set(self.live):
+                self.handles[old].drop.remote([p for p in incoming if self.owners[p] == old])
+            if incoming:
+                handle.import_.remote(self.shards.export(incoming))
+                self.migrated += sum(p in self.costs for p in incoming)  # rolled out before
+            self.owners.update(dict.fromkeys(ids, w))
+            return handle.rollout.remote(prompts, n, seed_key, version)
+
+        def keep(w: int, result: WorkerResult) -> WorkerResult:
+            self.shards.update(result.delta)
+            self.draft_widths[w] = result.draft_width
+            return result
+
+        return submit, keep
+
+    # ---------------------------------------------------------------- faults
+    def _run(
+        self, workers: list[int], calls: list[tuple[Callable, Callable]]
+    ) -> list[tuple[int, Any]]:
+        """Run call i on workers[i], all at once; a call whose worker dies (or runs past
+        rollout.fault_tolerance.step_timeout_s) is sent again once the worker is back, or to the
+        least busy other worker when it is not coming back. → (the worker that ran it, its
+        result) in call order."""
+        ray = self._ray
+        results: list[tuple[int, Any]] = [None] * len(calls)  # type: ignore[list-item]
+        pending = dict(enumerate(workers))
+        while pending:
+            refs = {calls[i][0](w): i for i, w in pending.items()}
+            _, late = ray.wait(
+                list(refs),
+                num_returns=len(refs),
+                timeout=self.cfg.rollout.fault_tolerance.step_timeout_s,
+            )
+            for ref in late:
+                w = pending[refs[ref]]
+                self.log(f"warning: rollout worker {w} timed out; restarting it")
+                ray.kill(self.handles[w], no_restart=False)
+            failed = {}
+            for ref, i in refs.items():
+                w = pending[i]
+                try:
+                    results[i] = w, calls[i][1](w, ray.get(ref))
+                except ray.exceptions.RayActorError as err:
+                    failed[i] = (w, err)
+            pending = {}
+            for i, (w, err) in failed.items():
+                pending[i] = w if self._recover(w, err) else self._retire(w, workers)
+        return results
+
+    def _recover(self, w: int, err: Exception) -> bool:
+        """Wait for dead worker `w` to be restarted and give it back its shard, draft widths and
+        the current weights. → False when it is not coming back."""
+        ray = self._ray
+        self.restarts += 1
+        self.log(f"warning: rollout worker {w} died ({type(err).__name__}); waiting for it")
+        handle = self.handles[w]
+        deadline = time.monotonic() + self.cfg.rollout.fault_tolerance.restart_timeout_s
+        while True:  # unavailable while Ray restarts it; died when it will not
+            try:
+                ray.get(handle.pid.remote(), timeout=max(deadline - time.monotonic(), 0))
+                break
+            except ray.exceptions.ActorUnavailableError:
+                if time.monotonic() > deadline:
+                    return False
+                time.sleep(0.1)
+            except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+                return False
+        owned = [p for p, o in self.owners.items() if o == w]
+        calls = [handle.import_.remote(self.shards.export(owned))]
+        if w in self.draft_widths:
+            calls.append(handle.load_draft_width.remote(self.draft_widths[w]))
+        if self.weights is not None:
+            calls.append(handle.load_weights.remote(self.weights, self.version))
+        try:
+            ray.get(calls)
+        except ray.exceptions.RayActorError:
+            return False
+        self.log(f"rollout worker {w} is back with {len(owned)} prompts")
+        return True
+
+    def _retire(self, w: int, busy: list[int]) -> int:
+        """Take dead worker `w` out of the run; its prompts belong to no one (their state stays
+        here and moves with them). → the live worker to take its call over."""
+        self.live.remove(w)
+        if not self.live:
+            raise RolloutWorkersError(
+                "every rollout worker died (restarts exhausted); see the worker logs above, and "
+                "raise rollout.fault_tolerance.max_restarts or rerun to resume"
+            )
+        self.owners = {p: o for p, o in self.owners.items() if o != w}
+        self.draft_widths.pop(w, None)
+        self.log(f"warning: rollout worker {w} is gone; continuing with {len(self.live)} workers")
+        return min(self.live, key=lambda v: (busy.count(v), v))
+
+    # ---------------------------------------------------------------- weights, evaluation
+    def load_weights(self, state: Mapping[str, torch.Tensor], version: int) -> None:
+        """Publish the policy's weights (rollouts of step `version` are sampled with them): one
+        object in Ray's store, loaded by every worker."""
+        ray = self._ray
+        self.weights = ray.put({k: v.detach().cpu() for k, v in state.items()})
+        self.version = version
+        workers = list(self.live)
+        self._run(
+            workers,
+            [(lambda w: self.handles[w].load_weights.remote(self.weights, version),
+              lambda w, got: got)] * len(workers),
+        )  # fmt: skip
+
+    def generate(self, requests: Sequence[GenRequest]) -> list[GenResult]:
+        """Requests split evenly over the workers (evaluation: no drafts, no state)."""
+        chunks = [c for c in np.array_split(np.arange(len(requests)), len(self.live)) if len(c)]
+        calls = [
+            (lambda w, c=c: self.handles[w].generate.remote([requests[i] for i in c]),
+             lambda w, got: got)
+            for c in chunks
+        ]  # fmt: skip
+        return [r for _, part in self._run(self.live[: len(calls)], calls) for r in part]
+
+    def sleep(self) -> None:
+        self._ray.get([self.handles[w].sleep.remote() for w in self.live])
+
+    def wake_up(self) -> None:
+        self._ray.get([self.handles[w].wake_up.remote() for w in self.live])
+
+    def shutdown(self) -> None:
+        for handle in self.handles:
+            self._ray.kill(handle, no_restart=True)
+
+    # ---------------------------------------------------------------- state
+    def state_dict(self) -> dict[str, Any]:
+        """The stage's checkpoint format: every prompt's drafts and tree, and the workers' draft
+        width statistics averaged."""
+        widths = list(self.draft_widths.values())
+        width = {key: np.mean([s[key] for s in widths], axis=0) for key in widths[0]}
+        return {**self.shards.state_dict(), "draft_width": width}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Resume: every prompt's state waits here for the worker the planner gives it to."""
+        self.shards.load_state_dict(state)
+        self.owners, self.costs = {}, {}
+        store = state["store"]
+        for pid, length in zip(store["prompt_ids"], store["lengths"].tolist(), strict=True):
+            self.costs[pid] = self.costs.get(pid, 0) + length
+        self.draft_widths = dict.fromkeys(self.live, state["draft_width"])
+        self._ray.get(
+            [self.handles[w].load_draft_width.remote(state["draft_width"]) for w in self.live]
+        )
