@@ -2,9 +2,11 @@
 
 The built-in policy rolls out the training prompts of the default task for several rounds
 (each round a batch of `data.train_batch_size` prompts × `rollout.n` slots; the batches cycle,
-so from the second pass on drafts are verified with the default exact rule). Three arms, each
+so from the second pass on drafts are verified with the default exact rule). Four arms, each
 with its own stage state and the same seeds, run interleaved round by round so they see the
-same machine state: in-process (torch at 1 thread), 1 worker and 2 workers (1 thread each).
+same machine state: in-process (torch at 1 thread), 1 worker, 2 workers (1 thread each), and 2
+workers with SRT run-ahead (after each round the workers sample one response per prompt of the
+next batch into its trees; in training that overlaps the update, here it is timed apart).
 Every arm samples the same tokens; only time differs.
 
 Per arm and round it records the rollout wall time, the busiest worker's time (the rest is
@@ -44,7 +46,7 @@ from specrl.distributed.rollout import RolloutWorkers, start_ray
 from specrl.speculative.stage import SpeculativeStage
 from specrl.trainer import Trainer
 
-ARMS = ("in-process", "1 worker", "2 workers")
+ARMS = ("in-process", "1 worker", "2 workers", "2 workers + run-ahead")
 
 
 def main() -> None:
@@ -73,12 +75,19 @@ def main() -> None:
         )
         for k in (1, 2)
     }
-    sync_s = {k: [] for k in groups}
+    ahead_cfg = cfg.model_copy(
+        update={"rollout": cfg.rollout.model_copy(update={"num_workers": 2, "run_ahead": True})}
+    )
+    groups["ahead"] = RolloutWorkers(
+        ahead_cfg, trainer.model_dir, eos, trainer.tokenizer.pad_token_id, sampling
+    )
+    sync_s = {k: [] for k in (1, 2)}
     for k, group in groups.items():
         for _ in range(3):
             start = time.perf_counter()
             group.load_weights(policy.state_dict(), 0)
-            sync_s[k].append(time.perf_counter() - start)
+            if k in sync_s:
+                sync_s[k].append(time.perf_counter() - start)
     R, n = cfg.data.max_response_length, cfg.rollout.n
     local = SpeculativeStage(trainer.engine, sampling, R, cfg.rollout.spec)
     torch.set_num_threads(1)  # as each worker runs
@@ -87,7 +96,7 @@ def main() -> None:
     for round_ in range(args.rounds):
         batch = trainer.loader.next_batch()
         tokens = []
-        for arm, stage in zip(ARMS, (local, groups[1], groups[2]), strict=True):
+        for arm, stage in zip(ARMS, (local, groups[1], groups[2], groups["ahead"]), strict=True):
             start = time.perf_counter()
             rollouts, stats = stage(batch, n, ("ray-bench", round_), 0)
             wall = time.perf_counter() - start
@@ -104,6 +113,12 @@ def main() -> None:
                 }
             )
             tokens.append([r.token_ids for r in rollouts])
+            if arm.endswith("run-ahead"):  # timed apart: in training it overlaps the update
+                start = time.perf_counter()
+                stage.run_ahead(trainer.loader.peek(), ("ray-bench-ahead", round_), 0)
+                stage.collect_run_ahead()
+                history[arm][-1]["run_ahead_s"] = time.perf_counter() - start
+                history[arm][-1]["tree_draft_tokens"] = stats.tree_draft_tokens
             print(f"round {round_} {arm}: {wall:.2f} s", flush=True)
         identical &= all(t == tokens[0] for t in tokens)
     for group in groups.values():
@@ -137,6 +152,14 @@ def main() -> None:
         "imbalance_2_workers": imbalance2,
         "migrated_prompts_per_round": mean("2 workers", "migrated_prompts"),
         "sync_s": {f"{k} worker(s)": float(np.median(v)) for k, v in sync_s.items()},
+        "run_ahead": {
+            "rollout_s": mean("2 workers + run-ahead", "rollout_s"),
+            "run_ahead_s": mean("2 workers + run-ahead", "run_ahead_s"),
+            "rollout_saved_s": t2 - mean("2 workers + run-ahead", "rollout_s"),
+            "pays_if_not_overlapped": t2
+            > mean("2 workers + run-ahead", "rollout_s")
+            + mean("2 workers + run-ahead", "run_ahead_s"),
+        },
         "model": {
             "formula": "T(N) = d(N) + W * imbalance(N) / N",
             "W_s": w,

@@ -203,6 +203,11 @@ class RolloutConfig(Section):
     num_gpus_per_worker: float = Field(
         0.0, ge=0.0, description="Ray GPUs of each rollout worker (1 for vllm on a GPU)"
     )
+    run_ahead: bool = Field(
+        False,
+        description="rollout workers (SRT run-ahead): while the trainer updates, each samples one "
+        "response per prompt of the next batch it will roll out, into the prompts' token trees",
+    )
     dispatch: DispatchConfig = Field(default_factory=DispatchConfig)
     checkpoint_engine: CheckpointEngineConfig = Field(default_factory=CheckpointEngineConfig)
     fault_tolerance: FaultToleranceConfig = Field(default_factory=FaultToleranceConfig)
@@ -412,6 +417,14 @@ class Config(Section):
             )
         if self.rollout.enable_sleep_mode and self.rollout.name != "vllm":
             raise ValueError("rollout.enable_sleep_mode needs rollout.name=vllm")
+        if self.rollout.run_ahead and not (
+            self.rollout.num_workers and self.rollout.spec.uses_tree(self.rollout.name == "hf")
+        ):
+            raise ValueError(
+                "rollout.run_ahead seeds token trees on rollout workers: it needs "
+                "rollout.num_workers >= 1 and token-tree drafts (rollout.name=hf, "
+                "rollout.spec.tree.enabled auto with speculation on, or true)"
+            )
         if self.rollout.spec.tree.enabled is True and self.rollout.name == "vllm":
             raise ValueError(
                 "rollout.spec.tree.enabled=true needs rollout.name=hf: the vllm engine decodes "

@@ -181,6 +181,9 @@ class Trainer:
         metrics: dict[str, float] = {"training/global_step": self.global_step}
         step_start = time.perf_counter()
         rollouts, scores = self.collect_rollouts(metrics)
+        if cfg.rollout.run_ahead:  # workers seed the next batch's trees during the update
+            next_key = (cfg.trainer.seed, self.global_step + 1, "run-ahead")
+            self.workers.run_ahead(self.loader.peek(), next_key, self.global_step)
         batch = self.train_batch(rollouts, scores, metrics)
         if cfg.rollout.enable_sleep_mode:  # the trainer gets the GPU memory during the update
             self.engine.sleep()

@@ -36,6 +36,13 @@ from specrl.config import ConfigError, load_config
             "rollout.spec.tree.enabled=true needs rollout.name=hf",
         ),
         (["rollout.n"], "not of the form key=value"),
+        (["rollout.run_ahead=true"], "rollout.run_ahead seeds token trees on rollout workers"),
+        (
+            ["rollout.run_ahead=true", "rollout.num_workers=2", "rollout.spec.tree.enabled=false"],
+            "needs rollout.num_workers >= 1 and token-tree drafts",
+        ),
+        (["rollout.dispatch.max_imbalance=-1"], "rollout.dispatch.max_imbalance"),
+        (["rollout.checkpoint_engine.backend=rdma"], "rollout.checkpoint_engine.backend"),
     ],
 )
 def test_bad_values_fail_at_load_with_one_message(overrides, message):

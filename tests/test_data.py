@@ -149,3 +149,12 @@ def test_prompts_without_a_known_token_are_rejected_or_filtered_and_lossy_ones_r
     assert "dropped 2 of 4 train prompts with no token the tokenizer knows" in said[0]
     assert "1 of 2 train prompts hold characters the tokenizer does not know" in said[1]
     assert "→ '3+4'" in said[1]
+
+
+def test_loader_peek_is_the_next_batch_across_epochs():
+    prompts = list(range(10))  # any items: the loader only orders them
+    loader = PromptLoader(prompts, 4, shuffle=True, seed=3)
+    for _ in range(7):  # two batches per epoch: peeks cross epoch boundaries
+        ahead = loader.peek()
+        assert loader.peek() == ahead
+        assert loader.next_batch() == ahead

@@ -130,7 +130,7 @@ class PromptLoader:
         self.seed = seed
         self.epoch = 0
         self.position = 0
-        self._order = self._epoch_order()
+        self._order = self._epoch_order(self.epoch)
 
     @property
     def steps_per_epoch(self) -> int:
@@ -140,17 +140,24 @@ class PromptLoader:
         if self.position + self.batch_size > len(self.prompts):
             self.epoch += 1
             self.position = 0
-            self._order = self._epoch_order()
+            self._order = self._epoch_order(self.epoch)
         batch = [
             self.prompts[i] for i in self._order[self.position : self.position + self.batch_size]
         ]
         self.position += self.batch_size
         return batch
 
-    def _epoch_order(self) -> list[int]:
+    def peek(self) -> list[Prompt]:
+        """The batch `next_batch` will return, without moving."""
+        order, position = self._order, self.position
+        if position + self.batch_size > len(self.prompts):
+            order, position = self._epoch_order(self.epoch + 1), 0
+        return [self.prompts[i] for i in order[position : position + self.batch_size]]
+
+    def _epoch_order(self, epoch: int) -> list[int]:
         order = list(range(len(self.prompts)))
         if self.shuffle:
-            random.Random(f"loader-{self.seed}-{self.epoch}").shuffle(order)
+            random.Random(f"loader-{self.seed}-{epoch}").shuffle(order)
         return order
 
     def state_dict(self) -> dict[str, Any]:
@@ -158,4 +165,4 @@ class PromptLoader:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.epoch, self.position = state["epoch"], state["position"]
-        self._order = self._epoch_order()
+        self._order = self._epoch_order(self.epoch)

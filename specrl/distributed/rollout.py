@@ -15,6 +15,7 @@ returned. A worker past its restarts is retired and its prompts move to the othe
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -138,6 +139,7 @@ class RolloutWorkers:
         self.version: int | None = None
         self.restarts = 0
         self.migrated = 0  # prompts handed to a new worker with their drafts and trees
+        self._ahead: list[Any] = []  # run-ahead calls in flight
         width = ray.get([h.draft_width.remote() for h in self.handles])[0]  # engines built
         self.draft_widths: dict[int, dict[str, Any]] = dict.fromkeys(self.live, width)
 
@@ -146,6 +148,7 @@ class RolloutWorkers:
         self, prompts: Sequence[Prompt], n: int, seed_key: tuple, policy_version: int
     ) -> tuple[list[Rollout], RolloutStats]:
         start = time.perf_counter()
+        self.collect_run_ahead()
         ids = [p.prompt_id for p in prompts]
         plan = plan_dispatch(
             ids, self.costs, self.owners, self.live, self.cfg.rollout.dispatch.max_imbalance
@@ -182,21 +185,13 @@ class RolloutWorkers:
         return out, stats
 
     def _rollout_call(self, prompts: list[Prompt], n: int, seed_key: tuple, version: int):
-        """The call rolling `prompts` out on a worker: first it takes over the prompts it does not
-        own (their state from `self.shards`; the previous owner forgets them), then it rolls
-        them out. The result's delta and draft widths are kept here."""
+        """The call rolling `prompts` out on a worker (after handing them over to it); the
+        result's delta and draft widths are kept here."""
         ids = list(dict.fromkeys(p.prompt_id for p in prompts))
 
         def submit(w: int):
-            handle = self.handles[w]
-            incoming = [p for p in ids if self.owners.get(p) != w]
-            for old in {self.owners[p] for p in incoming if p in self.owners} & set(self.live):
-                self.handles[old].drop.remote([p for p in incoming if self.owners[p] == old])
-            if incoming:
-                handle.import_.remote(self.shards.export(incoming))
-                self.migrated += sum(p in self.costs for p in incoming)  # rolled out before
-            self.owners.update(dict.fromkeys(ids, w))
-            return handle.rollout.remote(prompts, n, seed_key, version)
+            self._hand_over(w, ids)
+            return self.handles[w].rollout.remote(prompts, n, seed_key, version)
 
         def keep(w: int, result: WorkerResult) -> WorkerResult:
             self.shards.update(result.delta)
@@ -204,6 +199,41 @@ class RolloutWorkers:
             return result
 
         return submit, keep
+
+    def run_ahead(self, prompts: Sequence[Prompt], seed_key: tuple, policy_version: int) -> None:
+        """SRT run-ahead: the next batch's prompts go to the workers the planner will give them
+        to, which sample one response each into their trees, without the trainer waiting (it
+        updates meanwhile). The next call collects the trees' state."""
+        ids = [p.prompt_id for p in prompts]
+        plan = plan_dispatch(
+            ids, self.costs, self.owners, self.live, self.cfg.rollout.dispatch.max_imbalance
+        )
+        for j, shard in enumerate(plan.shards):
+            if shard:
+                w = self.live[j]
+                batch = [prompts[i] for i in shard]
+                self._hand_over(w, [p.prompt_id for p in batch])
+                ref = self.handles[w].run_ahead.remote(batch, seed_key, policy_version)
+                self._ahead.append(ref)
+
+    def collect_run_ahead(self) -> None:
+        """Wait for the run-ahead calls in flight and keep the trees they seeded (a worker that
+        died meanwhile is given back its shard without them when it is recovered)."""
+        for ref in self._ahead:
+            with contextlib.suppress(self._ray.exceptions.RayActorError):
+                self.shards.update(self._ray.get(ref))
+        self._ahead = []
+
+    def _hand_over(self, w: int, ids: list[str]) -> None:
+        """Worker `w` takes over the prompts it does not own: their state from `self.shards`
+        (the previous owner forgets them)."""
+        incoming = [p for p in ids if self.owners.get(p) != w]
+        for old in {self.owners[p] for p in incoming if p in self.owners} & set(self.live):
+            self.handles[old].drop.remote([p for p in incoming if self.owners[p] == old])
+        if incoming:
+            self.handles[w].import_.remote(self.shards.export(incoming))
+            self.migrated += sum(p in self.costs for p in incoming)  # rolled out before
+        self.owners.update(dict.fromkeys(ids, w))
 
     # ---------------------------------------------------------------- faults
     def _run(
@@ -322,6 +352,7 @@ class RolloutWorkers:
     def state_dict(self) -> dict[str, Any]:
         """The stage's checkpoint format: every prompt's drafts and tree, and the workers' draft
         width statistics averaged."""
+        self.collect_run_ahead()
         widths = list(self.draft_widths.values())
         width = {key: np.mean([s[key] for s in widths], axis=0) for key in widths[0]}
         return {**self.shards.state_dict(), "draft_width": width}

@@ -82,6 +82,14 @@ class RolloutWorker:
             self.policy_version,
         )
 
+    def run_ahead(
+        self, prompts: Sequence[Prompt], seed_key: tuple, policy_version: int
+    ) -> dict[str, Any]:
+        """Seed the trees of prompts this worker rolls out next (SRT run-ahead) while the trainer
+        updates; → their state, for the controller."""
+        self.stage.seed_trees(prompts, seed_key, policy_version)
+        return self.stage.export(dict.fromkeys(p.prompt_id for p in prompts))
+
     def generate(self, requests: Sequence[GenRequest]) -> list[GenResult]:
         return self.engine.generate(requests)
 

@@ -201,6 +201,16 @@ class SpeculativeStage:
         if self.tree is not None and state["tree"] is not None:
             self.tree.import_(state["tree"])
 
+    def seed_trees(self, prompts: Sequence[Prompt], seed_key: tuple, policy_version: int) -> None:
+        """Run-ahead (SRT): one response per prompt, sampled now, added to the prompts' token
+        trees ahead of their rollouts, where it can only propose drafts (tree drafts are
+        verified with the exact rule; it never becomes a stored draft)."""
+        rollouts = sample_rollouts(
+            self.engine, prompts, 1, self.sampling, self.max_response_length, seed_key,
+            policy_version,
+        )  # fmt: skip
+        self.tree.insert_all((r.prompt.prompt_id, r.token_ids) for r in rollouts)
+
     def drop(self, prompt_ids: Iterable[str]) -> None:
         """Forget these prompts' drafts and trees (they moved to another stage)."""
         prompt_ids = list(prompt_ids)

@@ -194,3 +194,29 @@ def test_resume_with_two_one_and_no_workers(ray_cluster, tiny_policy_dir, tmp_pa
                         "spec/decoded_tokens", "val/acc/mean@1", "actor/pg_loss"):  # fmt: skip
                 if key in a:
                     assert b[key] == pytest.approx(a[key], abs=1e-4), (workers, key)
+
+
+def test_run_ahead_seeds_trees_and_leaves_the_samples_alone(
+    ray_cluster, peaked_policy_dir, tmp_path
+):
+    """Prompts rolled out for the first time have no trees; run-ahead gives them one response
+    each beforehand. Tree drafts are verified with the exact rule, so the samples stay."""
+    overrides = [*RULES["exact"], "rollout.num_workers=2", "rollout.run_ahead=true"]
+    cfg, policy, tokenizer, prompts, sampling = _setup(peaked_policy_dir, tmp_path, *overrides)
+    eos = eos_token_ids(policy, tokenizer)
+    results = {}
+    for ahead in (False, True):
+        workers = RolloutWorkers(cfg, peaked_policy_dir, eos, tokenizer.pad_token_id, sampling)
+        try:
+            workers.load_weights(policy.state_dict(), 1)
+            if ahead:
+                workers.run_ahead(prompts, (1, 1, "run-ahead"), 1)
+            results[ahead] = workers(prompts, N, (1, 1, 0), 1)
+            if ahead:
+                assert workers.state_dict()["tree"]["prompt_ids"]
+        finally:
+            workers.shutdown()
+    (plain, plain_stats), (seeded, seeded_stats) = results[False], results[True]
+    assert plain_stats.tree_draft_tokens == 0  # nothing to draft from in a first rollout
+    assert seeded_stats.tree_draft_tokens > 0 and seeded_stats.tree_accepted_tokens > 0
+    _assert_same([plain], [seeded], atol=1e-4)
