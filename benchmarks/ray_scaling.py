@@ -1,8 +1,8 @@
 """Rollout-stage scaling on Ray: in-process vs 1 and 2 rollout workers, with a fixed policy.
 
-The built-in policy rolls out the training prompts of the default task for several rounds
-(each round a batch of `data.train_batch_size` prompts × `rollout.n` slots; the batches cycle,
-so from the second pass on drafts are verified with the default exact rule). Four arms, each
+The built-in policy rolls out 64 training prompts of the default task for several rounds (each
+round a batch of `data.train_batch_size` = 32 prompts × `rollout.n` slots; two batches per epoch,
+so from round 2 on every prompt has drafts, verified with the default exact rule, and a tree). Four arms, each
 with its own stage state and the same seeds, run interleaved round by round so they see the
 same machine state: in-process (torch at 1 thread), 1 worker, 2 workers (1 thread each), and 2
 workers with SRT run-ahead (after each round the workers sample one response per prompt of the
@@ -52,13 +52,21 @@ ARMS = ("in-process", "1 worker", "2 workers", "2 workers + run-ahead")
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", default="ray-scaling")
-    parser.add_argument("--rounds", type=int, default=8)
+    parser.add_argument("--rounds", type=int, default=12)
     args = parser.parse_args()
     out = Path(args.out)
     load_before = os.getloadavg()[0]
     cfg = load_config(
         None,
-        [f"trainer.output_dir={out / 'run'}", "trainer.logger=[]", "trainer.resume_mode=disable"],
+        [
+            f"trainer.output_dir={out / 'run'}",
+            "trainer.logger=[]",
+            "trainer.resume_mode=disable",
+            # logical CPUs: the three groups' five workers all exist, one group runs at a time
+            "ray_kwargs.ray_init.num_cpus=5",
+            # two batches per epoch: from round 2 on every prompt has drafts and a tree
+            "data.train_size=64",
+        ],
     )
     trainer = Trainer(cfg)  # the built-in policy, tokenizer, data and engine
     start_ray(cfg.ray_kwargs.ray_init)
@@ -126,7 +134,7 @@ def main() -> None:
     load_after = os.getloadavg()[0]
 
     def mean(arm: str, key: str) -> float:
-        return float(np.mean([m[key] for m in history[arm][1:]]))  # round 0 warms up
+        return float(np.mean([m[key] for m in history[arm][2:]]))  # from the first drafts on
 
     w, t1, t2 = (
         mean("in-process", "rollout_s"),
