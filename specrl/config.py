@@ -152,10 +152,11 @@ class DispatchConfig(Section):
 
 
 class CheckpointEngineConfig(Section):
-    backend: Literal["auto", "object_store"] = Field(
+    backend: Literal["auto", "object_store", "nccl"] = Field(
         "auto",
         description="how new weights reach the rollout workers: object_store (one ray.put per "
-        "step, every worker loads it); auto picks it",
+        "step, every worker loads it), nccl (vLLM's NCCL weight transfer from the trainer's GPU "
+        "to vllm workers on GPUs); auto: nccl where it can run, else object_store",
     )
 
 
@@ -224,6 +225,20 @@ class OptimConfig(Section):
     lr_warmup_steps: int = Field(5, ge=0, description="linear warmup steps, then constant")
 
 
+class PolicyLossConfig(Section):
+    loss_mode: Literal["vanilla", "gspo"] = Field(
+        "vanilla",
+        description="policy loss (algorithms/losses.py registry): vanilla (PPO clip, token "
+        "ratios) or gspo (sequence-level ratios, arXiv 2507.18071)",
+    )
+    gspo_clip_ratio_low: float = Field(
+        3e-4, ge=0.0, le=1.0, description="gspo: clip of the sequence ratio below 1"
+    )
+    gspo_clip_ratio_high: float = Field(
+        4e-4, ge=0.0, description="gspo: clip of the sequence ratio above 1"
+    )
+
+
 class ActorConfig(Section):
     ppo_mini_batch_size: int = Field(16, ge=1, description="prompts per optimizer step")
     ppo_micro_batch_size: int = Field(64, ge=1, description="sequences per forward/backward")
@@ -242,6 +257,7 @@ class ActorConfig(Section):
     entropy_coeff: float = Field(0.0, ge=0.0, description="entropy bonus weight")
     grad_clip: float = Field(1.0, gt=0.0, description="max global gradient norm")
     optim: OptimConfig = Field(default_factory=OptimConfig)
+    policy_loss: PolicyLossConfig = Field(default_factory=PolicyLossConfig)
 
 
 class FilterGroupsConfig(Section):
@@ -276,7 +292,17 @@ class RolloutCorrectionConfig(Section):
 
 
 class AlgorithmConfig(Section):
-    adv_estimator: Literal["grpo", "rloo"] = Field("grpo", description="advantage estimator")
+    adv_estimator: Literal[
+        "grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline"
+    ] = Field(
+        "grpo",
+        description="advantage estimator (algorithms/advantages.py registry): grpo, rloo, "
+        "reinforce_plus_plus (discounted returns whitened over the batch), "
+        "reinforce_plus_plus_baseline (group-mean baseline, then whitened)",
+    )
+    gamma: float = Field(
+        1.0, ge=0.0, le=1.0, description="discount over response tokens (reinforce_plus_plus)"
+    )
     norm_adv_by_std_in_grpo: bool = Field(
         True, description="divide by the group's std; false gives Dr.GRPO"
     )

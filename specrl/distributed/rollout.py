@@ -27,6 +27,7 @@ import torch
 
 from specrl.config import Config, RayInitConfig
 from specrl.distributed.planner import plan_dispatch
+from specrl.distributed.weight_sync import resolve_backend
 from specrl.distributed.worker import RolloutWorker, WorkerResult
 from specrl.engines import GenRequest, GenResult, SamplingParams
 from specrl.errors import UserError
@@ -128,8 +129,10 @@ class RolloutWorkers:
             max_task_retries=0,  # a retried call would run without its shard: we re-send it
         )
         n = rollout.num_workers
+        backend = resolve_backend(cfg)
+        transfer = "nccl" if backend == "nccl" else "local"
         self.handles = [
-            actor.remote(cfg, model_dir, eos_ids, pad_id, sampling, n) for _ in range(n)
+            actor.remote(cfg, model_dir, eos_ids, pad_id, sampling, n, transfer) for _ in range(n)
         ]
         self.live = list(range(n))
         self.owners: dict[str, int] = {}  # prompt id → worker holding its drafts and tree
@@ -142,6 +145,13 @@ class RolloutWorkers:
         self._ahead: list[Any] = []  # run-ahead calls in flight
         width = ray.get([h.draft_width.remote() for h in self.handles])[0]  # engines built
         self.draft_widths: dict[int, dict[str, Any]] = dict.fromkeys(self.live, width)
+        self.state: Mapping[str, torch.Tensor] = {}  # the current weights (nccl backend)
+        self.nccl = None
+        if backend == "nccl":
+            from specrl.distributed.nccl_sync import NcclWeightSync
+
+            self.nccl = NcclWeightSync(ray)
+            self.nccl.connect(self.handles)
 
     # ---------------------------------------------------------------- rollouts
     def __call__(
@@ -295,6 +305,8 @@ class RolloutWorkers:
             calls.append(handle.load_weights.remote(self.weights, self.version))
         try:
             ray.get(calls)
+            if self.nccl is not None:  # the group lost a member: a new one, the weights again
+                self._nccl_regroup()
         except ray.exceptions.RayActorError:
             return False
         self.log(f"rollout worker {w} is back with {len(owned)} prompts")
@@ -311,22 +323,35 @@ class RolloutWorkers:
             )
         self.owners = {p: o for p, o in self.owners.items() if o != w}
         self.draft_widths.pop(w, None)
+        if self.nccl is not None:
+            self._nccl_regroup()
         self.log(f"warning: rollout worker {w} is gone; continuing with {len(self.live)} workers")
         return min(self.live, key=lambda v: (busy.count(v), v))
 
     # ---------------------------------------------------------------- weights, evaluation
     def load_weights(self, state: Mapping[str, torch.Tensor], version: int) -> None:
         """Publish the policy's weights (rollouts of step `version` are sampled with them): one
-        object in Ray's store, loaded by every worker."""
+        object in Ray's store, loaded by every worker; or, with the nccl backend, a broadcast
+        from this process's GPU to every worker's vLLM."""
+        self.version = version
+        if self.nccl is not None:
+            self.state = state
+            self.nccl.send(state, [self.handles[w] for w in self.live], version)
+            return
         ray = self._ray
         self.weights = ray.put({k: v.detach().cpu() for k, v in state.items()})
-        self.version = version
         workers = list(self.live)
         self._run(
             workers,
             [(lambda w: self.handles[w].load_weights.remote(self.weights, version),
               lambda w, got: got)] * len(workers),
         )  # fmt: skip
+
+    def _nccl_regroup(self) -> None:
+        handles = [self.handles[w] for w in self.live]
+        self.nccl.connect(handles)
+        if self.state:
+            self.nccl.send(self.state, handles, self.version)
 
     def generate(self, requests: Sequence[GenRequest]) -> list[GenResult]:
         """Requests split evenly over the workers (evaluation: no drafts, no state)."""

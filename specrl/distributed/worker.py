@@ -43,12 +43,13 @@ class RolloutWorker:
         pad_id: int,
         sampling: SamplingParams,
         num_workers: int,
+        weight_transfer: str = "local",
     ) -> None:
         torch.set_num_threads(cfg.rollout.num_cpus_per_worker)
         spec = cfg.rollout.spec
         # the trees' node budget is the run's: each of the workers holds a share of the prompts
         tree = spec.tree.model_copy(update={"max_nodes": -(-spec.tree.max_nodes // num_workers)})
-        self.engine = build_worker_engine(cfg, eos_ids, pad_id, model_dir)
+        self.engine = build_worker_engine(cfg, eos_ids, pad_id, model_dir, weight_transfer)
         self.stage = SpeculativeStage(
             self.engine,
             sampling,
@@ -63,6 +64,29 @@ class RolloutWorker:
 
     def load_weights(self, state: Mapping[str, torch.Tensor], version: int) -> int:
         self.engine.load_weights(state)
+        self.policy_version = version
+        return version
+
+    # vLLM's weight-sync calls, for the trainer's NCCL weight-transfer engine (nccl backend)
+    def init_weight_transfer_engine(self, request: Any) -> None:
+        self.engine.llm.init_weight_transfer_engine(request)
+
+    def shutdown_weight_transfer_engine(self) -> None:
+        self.engine.llm.shutdown_weight_transfer_engine()
+
+    def start_weight_update(self) -> None:
+        self.engine.llm.start_weight_update()
+
+    def update_weights(self, request: Any) -> None:
+        self.engine.llm.update_weights(request)
+
+    def finish_weight_update(self) -> None:
+        self.engine.llm.finish_weight_update()
+
+    def weights_received(self, version: int) -> int:
+        """The broadcast of step `version`'s weights is complete: the prefix cache (KV of the
+        old weights) goes."""
+        self.engine.llm.reset_prefix_cache()
         self.policy_version = version
         return version
 

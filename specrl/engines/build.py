@@ -25,17 +25,19 @@ def build_engine(
 
 
 def build_worker_engine(
-    cfg: Config, eos_ids: list[int], pad_id: int, model_dir: Path
+    cfg: Config, eos_ids: list[int], pad_id: int, model_dir: Path, weight_transfer: str
 ) -> RolloutEngine:
     """The engine of a rollout worker: its own copy of the model in `model_dir` (the weights are
-    replaced by the trainer's at the first sync)."""
+    replaced by the trainer's at the first sync, through `weight_transfer`: local or nccl)."""
     if cfg.rollout.name == "hf":
         policy = load_policy(model_dir, cfg.model.dtype)[0].eval().requires_grad_(False)
         return HFEngine(policy, eos_ids, pad_id, cfg.rollout.max_batch_size)
-    return _vllm_engine(cfg, eos_ids, model_dir)
+    return _vllm_engine(cfg, eos_ids, model_dir, weight_transfer)
 
 
-def _vllm_engine(cfg: Config, eos_ids: list[int], model_dir: Path) -> RolloutEngine:
+def _vllm_engine(
+    cfg: Config, eos_ids: list[int], model_dir: Path, weight_transfer: str = "local"
+) -> RolloutEngine:
     from specrl.engines.vllm.engine import VLLMEngine
 
     return VLLMEngine.shared(
@@ -46,6 +48,7 @@ def _vllm_engine(cfg: Config, eos_ids: list[int], model_dir: Path) -> RolloutEng
         gpu_memory_utilization=cfg.rollout.gpu_memory_utilization,
         sleep_mode=cfg.rollout.enable_sleep_mode,
         seed=cfg.trainer.seed,
+        weight_transfer=weight_transfer,
     )
 
 

@@ -167,3 +167,20 @@ def test_seeded_requests_whose_prefills_exceed_one_step(vllm_engine):
         r.token_ids and r.token_ids[0] != c[0] for r, c in zip(results, contexts, strict=True)
     )
     assert [r.token_ids for r in vllm_engine.generate(requests)] == [r.token_ids for r in results]
+
+
+def test_state_dict_source_declares_what_it_yields():
+    """The nccl backend's weight source: vLLM sizes its receive buffers from `metadata()`, which
+    must list every tensor of the state dict, in order, with its dtype and shape; the gather
+    groups must cover them all in that order. (Iterating moves tensors to the GPU: GPU only.)"""
+    from specrl.distributed.nccl_sync import StateDictSource
+
+    source = StateDictSource()
+    source.state = tiny(0).state_dict()
+    meta = source.metadata()
+    assert [m.name for m in meta] == list(source.state)
+    assert all(
+        m.dtype == t.dtype and m.shape == tuple(t.shape)
+        for m, t in zip(meta, source.state.values(), strict=True)
+    )
+    assert [name for group in source.groups() for name in group] == list(source.state)

@@ -89,7 +89,11 @@ class VLLMEngine:
         gpu_memory_utilization: float = 0.5,
         sleep_mode: bool = False,
         seed: int = 0,
+        weight_transfer: str = "local",
     ) -> None:
+        """`weight_transfer`: local (`load_weights` hands this process's tensors over) or nccl
+        (a rollout worker on a GPU: the trainer broadcasts through vLLM's NCCL engine, driven
+        from outside with the `llm`'s weight-update calls)."""
         vllm = _import_vllm()
         from specrl.engines.vllm.weights import BACKEND
 
@@ -111,10 +115,11 @@ class VLLMEngine:
             max_logprobs=-1,
             gpu_memory_utilization=gpu_memory_utilization,
             enable_sleep_mode=sleep_mode,
-            weight_transfer_config={"backend": BACKEND},
+            weight_transfer_config={"backend": BACKEND if weight_transfer == "local" else "nccl"},
             **whole_prefills,
         )
-        self.llm.init_weight_transfer_engine({"init_info": {}})
+        if weight_transfer == "local":
+            self.llm.init_weight_transfer_engine({"init_info": {}})
         self.vocab_size = self.llm.llm_engine.model_config.get_vocab_size()
 
     # ---------------------------------------------------------------- generate

@@ -1,0 +1,36 @@
+"""How new weights reach the rollout workers (`rollout.checkpoint_engine.backend`).
+
+- object_store (CPU, hf workers, and the generic fallback): one `ray.put` of the state dict per
+  step; every worker gets it from Ray's object store and loads it into its engine (vLLM through
+  specrl's local weight-transfer backend). Driven by `RolloutWorkers` itself, call by call.
+- nccl (vLLM workers on GPUs): vLLM's NCCL weight-transfer engine. The trainer's process is
+  rank 0 of an NCCL group with every worker's vLLM and broadcasts each tensor from GPU memory
+  (`NCCLTrainerWeightTransferEngine`, driven over the worker actors by vLLM's
+  `RayVLLMWeightSyncClient`). A group that lost a member is rebuilt with the live workers.
+
+`auto` is nccl where it can run (vLLM workers with GPUs, a GPU in the trainer's process), else
+object_store. The nccl side lives in `nccl_sync.py`, imported only when it is chosen (it
+imports vLLM).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from specrl.config import Config
+from specrl.errors import UserError
+
+
+def resolve_backend(cfg: Config) -> str:
+    """The backend `rollout.checkpoint_engine.backend` names, with `auto` resolved."""
+    backend = cfg.rollout.checkpoint_engine.backend
+    gpu_workers = cfg.rollout.name == "vllm" and cfg.rollout.num_gpus_per_worker > 0
+    if backend == "auto":
+        return "nccl" if gpu_workers and torch.cuda.is_available() else "object_store"
+    if backend == "nccl" and not (gpu_workers and torch.cuda.is_available()):
+        raise UserError(
+            "rollout.checkpoint_engine.backend=nccl needs vLLM rollout workers on GPUs "
+            "(rollout.name=vllm, rollout.num_gpus_per_worker >= 1) and a GPU in the trainer's "
+            "process; use object_store (or auto) here"
+        )
+    return backend
