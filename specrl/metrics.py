@@ -38,9 +38,12 @@ def data_metrics(
     rollouts: Sequence[Rollout],
     scores: torch.Tensor,
     advantages: torch.Tensor,
+    response_mask: torch.Tensor,
     step_time: float,
 ) -> dict[str, float]:
-    """scores, advantages [N]: one per rollout."""
+    """scores [N]: one per rollout; advantages [N, T] over its response tokens (the statistics
+    are over the tokens, as verl's)."""
+    valid = advantages[response_mask.bool()]
     lengths = torch.tensor([len(r.token_ids) for r in rollouts], dtype=torch.float32)
     prompt_lengths = torch.tensor([len(r.prompt.ids) for r in rollouts], dtype=torch.float32)
     total_tokens = float(lengths.sum() + prompt_lengths.sum())
@@ -49,9 +52,9 @@ def data_metrics(
         "critic/rewards/mean": scores.mean().item(),
         "critic/score/max": scores.max().item(),
         "critic/score/min": scores.min().item(),
-        "critic/advantages/mean": advantages.mean().item(),
-        "critic/advantages/max": advantages.max().item(),
-        "critic/advantages/min": advantages.min().item(),
+        "critic/advantages/mean": valid.mean().item(),
+        "critic/advantages/max": valid.max().item(),
+        "critic/advantages/min": valid.min().item(),
         "response_length/mean": lengths.mean().item(),
         "response_length/max": lengths.max().item(),
         "response_length/min": lengths.min().item(),

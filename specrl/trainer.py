@@ -13,7 +13,7 @@ import torch
 
 from specrl.actor.batch import TrainBatch
 from specrl.actor.policy import eos_token_ids, load_actor
-from specrl.algorithms.advantages import compute_advantages
+from specrl.algorithms.advantages import AdvantageInputs, compute_advantages
 from specrl.algorithms.dapo import groups_with_signal
 from specrl.algorithms.rollout_correction import correction_weights
 from specrl.checkpoint import load_trainer_state, resolve_resume, restore, save_checkpoint
@@ -197,7 +197,13 @@ class Trainer:
         metrics["timing_s/step"] = time.perf_counter() - step_start
         step_scores = torch.tensor(scores.scores)
         metrics.update(
-            data_metrics(rollouts, step_scores, batch.advantages, metrics["timing_s/step"])
+            data_metrics(
+                rollouts,
+                step_scores,
+                batch.advantages,
+                batch.response_mask,
+                metrics["timing_s/step"],
+            )
         )
         metrics["training/epoch"] = self.loader.epoch
         return metrics
@@ -298,11 +304,13 @@ class Trainer:
             with timed(metrics, "ref"):
                 batch.ref_logprobs = self.actor.logprobs(batch, reference=True)
         with timed(metrics, "adv"):
-            batch.advantages = compute_advantages(
+            inputs = AdvantageInputs(
                 torch.tensor(scores.scores).view(-1, cfg.rollout.n),
-                cfg.algorithm.adv_estimator,
+                batch.response_mask,
+                cfg.algorithm.gamma,
                 cfg.algorithm.norm_adv_by_std_in_grpo,
-            ).flatten()  # [N]
+            )
+            batch.advantages, _ = compute_advantages(cfg.algorithm.adv_estimator, inputs)
         return batch
 
     def validate(self) -> dict[str, float]:

@@ -3,15 +3,24 @@ import math
 import pytest
 import torch
 
-from specrl.algorithms.advantages import compute_advantages, grpo_advantages, rloo_advantages
+from specrl.algorithms.advantages import (
+    ADV_ESTIMATORS,
+    AdvantageInputs,
+    compute_advantages,
+    grpo_advantages,
+    rloo_advantages,
+)
 from specrl.algorithms.losses import (
+    POLICY_LOSSES,
     ClipConfig,
     agg_loss,
     entropy_from_logits,
+    gspo_loss,
     kl_penalty,
     ppo_clip_loss,
 )
 from specrl.algorithms.rollout_correction import rollout_is_weights
+from specrl.config import AlgorithmConfig, PolicyLossConfig
 
 
 def test_grpo_normalises_by_unbiased_group_std():
@@ -25,11 +34,69 @@ def test_grpo_normalises_by_unbiased_group_std():
     torch.testing.assert_close(adv[1], torch.zeros(4))
 
 
-def test_dr_grpo_only_centres():
-    adv = compute_advantages(
-        torch.tensor([[1.0, 0.0, 0.0, 1.0]]), "grpo", norm_adv_by_std_in_grpo=False
+def test_dr_grpo_only_centres_and_every_token_gets_its_response_advantage():
+    mask = torch.tensor([[1, 1, 0], [1, 0, 0], [1, 1, 1], [0, 0, 0]])
+    inputs = AdvantageInputs(torch.tensor([[1.0, 0.0, 0.0, 1.0]]), mask, norm_by_std=False)
+    adv, returns = compute_advantages("grpo", inputs)
+    expected = torch.tensor([[0.5, 0.5, 0], [-0.5, 0, 0], [-0.5, -0.5, -0.5], [0, 0, 0]])
+    torch.testing.assert_close(adv, expected)
+    torch.testing.assert_close(returns, expected)
+
+
+def test_the_config_offers_exactly_the_registered_estimators_and_losses():
+    offered = AlgorithmConfig.model_fields["adv_estimator"].annotation.__args__
+    assert set(offered) == set(ADV_ESTIMATORS)
+    assert set(PolicyLossConfig.model_fields["loss_mode"].annotation.__args__) == set(POLICY_LOSSES)
+
+
+RAGGED = torch.tensor([[1, 1, 1], [1, 1, 0]])  # two responses of 3 and 2 tokens
+
+
+def test_reinforce_plus_plus_discounts_from_the_last_token_then_whitens_over_tokens():
+    inputs = AdvantageInputs(torch.tensor([[1.0, 2.0]]), RAGGED, gamma=0.5)
+    adv, returns = compute_advantages("reinforce_plus_plus", inputs)
+    # returns: response 0 (reward 1 at t=2): 0.25, 0.5, 1; response 1 (reward 2 at t=1): 1, 2
+    torch.testing.assert_close(returns, torch.tensor([[0.25, 0.5, 1.0], [1.0, 2.0, 0.0]]))
+    tokens = torch.tensor([0.25, 0.5, 1.0, 1.0, 2.0])  # mean 0.95, unbiased var 0.45
+    whitened = (tokens - 0.95) / math.sqrt(0.45 + 1e-8)
+    torch.testing.assert_close(adv[RAGGED.bool()], whitened)
+    assert adv[1, 2] == 0
+
+
+def test_reinforce_plus_plus_baseline_centres_per_group_then_whitens_over_tokens():
+    inputs = AdvantageInputs(torch.tensor([[1.0, 3.0]]), RAGGED)
+    adv, returns = compute_advantages("reinforce_plus_plus_baseline", inputs)
+    # group mean 2: -1 on response 0's three tokens, +1 on response 1's two
+    torch.testing.assert_close(returns, torch.tensor([[-1.0, -1.0, -1.0], [1.0, 1.0, 0.0]]))
+    tokens = torch.tensor([-1.0, -1.0, -1.0, 1.0, 1.0])  # mean -0.2, unbiased var 1.2
+    torch.testing.assert_close(adv[RAGGED.bool()], (tokens + 0.2) / math.sqrt(1.2 + 1e-8))
+
+
+def test_gspo_uses_one_clipped_ratio_per_sequence():
+    """Response 0: token log-ratios 0.1, 0.2, 0.3 → s = e^0.2, clipped to 1 + high for A > 0;
+    response 1: log-ratios 0, -0.0002 → s = e^-0.0001, inside [1 - low, 1 + high]."""
+    old = torch.zeros(2, 3)
+    new = torch.tensor([[0.1, 0.2, 0.3], [0.0, -0.0002, 0.0]], requires_grad=True)
+    adv = torch.tensor([[1.0, 1.0, 1.0], [-2.0, -2.0, 0.0]])
+    cfg = ClipConfig(3e-4, 4e-4, loss_agg_mode="token-mean", loss_mode="gspo")
+    out = gspo_loss(new, old, adv, RAGGED, cfg)
+    s1 = math.exp(-0.0001)
+    # per sequence: -min(s·A, clip(s)·A) averaged over its tokens (equal), then over sequences
+    expected = (-(1 + 4e-4) * 1.0 + 2.0 * s1) / 2
+    assert out.loss.item() == pytest.approx(expected, rel=1e-6)
+    assert out.pg_clipfrac.item() == pytest.approx(3 / 5)  # response 0's three tokens
+    out.loss.backward()
+    # clipped response 0 has no gradient; response 1: d/dlogp_t of 2·s/2 over its 2 tokens
+    torch.testing.assert_close(new.grad[0], torch.zeros(3))
+    torch.testing.assert_close(new.grad[1, :2], torch.full((2,), s1 / 2))
+    # the sequence ratio is the geometric mean: same as the token loss when every ratio agrees
+    same = torch.full((2, 3), 0.0001)
+    vanilla = ppo_clip_loss(
+        same, old, adv, RAGGED, ClipConfig(0.2, 0.2, loss_agg_mode="seq-mean-token-mean")
     )
-    torch.testing.assert_close(adv, torch.tensor([[0.5, -0.5, -0.5, 0.5]]))
+    assert gspo_loss(
+        same, old, adv, RAGGED, ClipConfig(0.2, 0.2, loss_mode="gspo")
+    ).loss.item() == pytest.approx(vanilla.loss.item())
 
 
 def test_rloo_leaves_one_out():

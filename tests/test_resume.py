@@ -117,16 +117,16 @@ def test_non_finite_losses_are_skipped_then_stop_the_run_after_saving(
 
     import torch
 
-    from specrl.actor import update as update_module
+    from specrl.algorithms.losses import POLICY_LOSSES
     from specrl.trainer import TrainingDivergedError
 
-    real = update_module.ppo_clip_loss
+    real = POLICY_LOSSES["vanilla"]
 
     def nan_loss(*args, **kwargs):
         out = real(*args, **kwargs)
         return dataclasses.replace(out, loss=out.loss * float("nan"))
 
-    monkeypatch.setattr(update_module, "ppo_clip_loss", nan_loss)
+    monkeypatch.setitem(POLICY_LOSSES, "vanilla", nan_loss)
     cfg = small_config(
         tiny_policy_dir,
         tmp_path,

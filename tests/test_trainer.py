@@ -60,8 +60,20 @@ def test_same_seed_same_metrics(tiny_policy_dir, tmp_path):
             "reward_model.overlong_buffer.len=4",
         ],
         ["rollout.top_p=0.9", "rollout.top_k=5", "rollout.temperature=0.8"],
+        ["algorithm.adv_estimator=reinforce_plus_plus", "algorithm.gamma=0.99"],
+        ["algorithm.adv_estimator=reinforce_plus_plus_baseline", "actor.use_kl_loss=true"],
+        ["actor.policy_loss.loss_mode=gspo"],
     ],
-    ids=["rloo", "dr_grpo", "kl", "dapo", "top_p_k"],
+    ids=[
+        "rloo",
+        "dr_grpo",
+        "kl",
+        "dapo",
+        "top_p_k",
+        "reinforce_pp",
+        "reinforce_pp_baseline",
+        "gspo",
+    ],
 )
 def test_algorithm_variants_train(tiny_policy_dir, tmp_path, overrides):
     Trainer(

@@ -24,7 +24,7 @@ class TrainBatch:
     prompt_width: int
     old_logprobs: torch.Tensor | None = None  # [B, R] current logprobs before the update
     ref_logprobs: torch.Tensor | None = None  # [B, R] under the KL reference
-    advantages: torch.Tensor | None = None  # [B]
+    advantages: torch.Tensor | None = None  # [B, R]
     is_weights: torch.Tensor | None = None  # [B, R] rollout importance weights
 
     @classmethod

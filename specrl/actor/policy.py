@@ -100,12 +100,15 @@ def load_actor(
     reference = None
     if cfg.actor.use_kl_loss:
         reference = reference_policy(policy, model_dir, initial_dir, cfg.model.dtype, log)
+    loss = cfg.actor.policy_loss
+    gspo = loss.loss_mode == "gspo"  # GSPO clips sequence ratios, within its own ranges
     clip = ClipConfig(
-        cfg.actor.clip_ratio_low,
-        cfg.actor.clip_ratio_high,
+        loss.gspo_clip_ratio_low if gspo else cfg.actor.clip_ratio_low,
+        loss.gspo_clip_ratio_high if gspo else cfg.actor.clip_ratio_high,
         cfg.actor.clip_ratio_c,
         cfg.actor.loss_agg_mode,
         cfg.data.max_response_length,
+        loss.loss_mode,
     )
     return Actor(policy, cfg.actor, clip, cfg.rollout.temperature, reference), tokenizer
 

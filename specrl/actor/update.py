@@ -16,7 +16,7 @@ import torch
 from transformers import PreTrainedModel
 
 from specrl.actor.batch import TrainBatch, batched_logprobs, response_logprobs
-from specrl.algorithms.losses import AggScale, ClipConfig, agg_loss, kl_penalty, ppo_clip_loss
+from specrl.algorithms.losses import POLICY_LOSSES, AggScale, ClipConfig, agg_loss, kl_penalty
 from specrl.config import ActorConfig
 
 
@@ -110,9 +110,8 @@ def _mini_batch(
         part = batch.rows(micro)
         logprobs, entropy = response_logprobs(model, part, temperature)  # [b, R] each
         mask = part.response_mask
-        advantages = part.advantages[:, None].expand_as(logprobs)
-        out = ppo_clip_loss(
-            logprobs, part.old_logprobs, advantages, mask, clip, part.is_weights, scale
+        out = POLICY_LOSSES[clip.loss_mode](
+            logprobs, part.old_logprobs, part.advantages, mask, clip, part.is_weights, scale
         )
         entropy_term = agg_loss(entropy, mask, cfg.loss_agg_mode, clip.horizon, scale)
         loss = out.loss - cfg.entropy_coeff * entropy_term

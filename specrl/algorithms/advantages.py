@@ -1,16 +1,57 @@
-"""Outcome advantage estimators over groups of rollouts of the same prompt.
+"""Advantage estimators, chosen by name from one registry (`algorithm.adv_estimator`).
 
-Scores arrive as [G, n]: G prompts (groups), n slots each. Every token of a response gets its
-response's advantage (outcome supervision), so these return one value per response.
+Every estimator has one signature: `AdvantageInputs` → (advantages, returns), both [B, T] over
+the response tokens (zero outside `response_mask`). Rollouts arrive prompt-major: B = G·n, the
+n slots of a prompt contiguous, with one outcome score per response ([G, n]). Outcome
+estimators (GRPO, RLOO) give every token of a response its response's advantage; REINFORCE++
+discounts and whitens over the batch's tokens. Register a new one with `@register_adv_est`.
 """
 
 from __future__ import annotations
 
-from typing import Literal
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
-AdvEstimator = Literal["grpo", "rloo"]
+from specrl.algorithms.losses import masked_mean
+
+
+@dataclass(frozen=True)
+class AdvantageInputs:
+    scores: torch.Tensor  # [G, n] one outcome score per response, n slots per prompt
+    response_mask: torch.Tensor  # [B, T], B = G·n, prompt-major
+    gamma: float = 1.0  # discount over response tokens (REINFORCE++)
+    norm_by_std: bool = True  # GRPO: divide by the group's std (false: Dr.GRPO)
+
+    def outcome_tokens(self, per_response: torch.Tensor) -> torch.Tensor:
+        """[G, n] → [B, T]: each response's value on each of its tokens."""
+        return per_response.reshape(-1, 1) * self.response_mask
+
+    def last_token_rewards(self) -> torch.Tensor:
+        """[B, T] with each response's score on its last token (the reward of a sequence)."""
+        mask = self.response_mask
+        last = (mask.cumsum(-1) == mask.sum(-1, keepdim=True)) & mask.bool()
+        return torch.where(last, self.scores.reshape(-1, 1), 0.0)
+
+
+AdvantageFn = Callable[[AdvantageInputs], tuple[torch.Tensor, torch.Tensor]]
+ADV_ESTIMATORS: dict[str, AdvantageFn] = {}
+
+
+def register_adv_est(name: str) -> Callable[[AdvantageFn], AdvantageFn]:
+    def register(fn: AdvantageFn) -> AdvantageFn:
+        if name in ADV_ESTIMATORS:
+            raise ValueError(f"advantage estimator {name!r} is registered already")
+        ADV_ESTIMATORS[name] = fn
+        return fn
+
+    return register
+
+
+def compute_advantages(name: str, inputs: AdvantageInputs) -> tuple[torch.Tensor, torch.Tensor]:
+    """(advantages, returns) [B, T] by the estimator registered as `name`."""
+    return ADV_ESTIMATORS[name](inputs)
 
 
 def grpo_advantages(
@@ -37,9 +78,51 @@ def rloo_advantages(scores: torch.Tensor) -> torch.Tensor:
     return scores - others_mean
 
 
-def compute_advantages(
-    scores: torch.Tensor, estimator: AdvEstimator, norm_adv_by_std_in_grpo: bool = True
-) -> torch.Tensor:
-    if estimator == "grpo":
-        return grpo_advantages(scores, norm_by_std=norm_adv_by_std_in_grpo)
-    return rloo_advantages(scores)
+def masked_whiten(values: torch.Tensor, mask: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
+    """(x − mean) / std over the masked entries (unbiased variance, as verl), zero elsewhere."""
+    mean = masked_mean(values, mask)
+    count = mask.sum()
+    var = masked_mean((values - mean).square(), mask) * count / (count - 1).clamp(min=1)
+    return (values - mean) * torch.rsqrt(var + eps) * mask
+
+
+def discounted_returns(rewards: torch.Tensor, mask: torch.Tensor, gamma: float) -> torch.Tensor:
+    """G_t = r_t + γ G_{t+1} over each response's tokens, [B, T] → [B, T]."""
+    returns = torch.zeros_like(rewards)
+    running = torch.zeros_like(rewards[:, 0])
+    for t in reversed(range(rewards.shape[1])):
+        running = (rewards[:, t] + gamma * running) * mask[:, t]
+        returns[:, t] = running
+    return returns
+
+
+@register_adv_est("grpo")
+def _grpo(inputs: AdvantageInputs) -> tuple[torch.Tensor, torch.Tensor]:
+    advantages = inputs.outcome_tokens(grpo_advantages(inputs.scores, inputs.norm_by_std))
+    return advantages, advantages
+
+
+@register_adv_est("rloo")
+def _rloo(inputs: AdvantageInputs) -> tuple[torch.Tensor, torch.Tensor]:
+    advantages = inputs.outcome_tokens(rloo_advantages(inputs.scores))
+    return advantages, advantages
+
+
+@register_adv_est("reinforce_plus_plus")
+def reinforce_plus_plus(inputs: AdvantageInputs) -> tuple[torch.Tensor, torch.Tensor]:
+    """REINFORCE++ (arXiv 2501.03262): the discounted return of each token (the score is the
+    reward of the last token), whitened over all response tokens of the batch: a global
+    baseline and scale instead of a per-prompt group's."""
+    mask = inputs.response_mask
+    returns = discounted_returns(inputs.last_token_rewards(), mask, inputs.gamma)
+    return masked_whiten(returns, mask), returns
+
+
+@register_adv_est("reinforce_plus_plus_baseline")
+def reinforce_plus_plus_baseline(inputs: AdvantageInputs) -> tuple[torch.Tensor, torch.Tensor]:
+    """REINFORCE++-baseline (arXiv 2501.03262 v3): each score minus its group's mean (no
+    std), on every token of the response, then whitened over the batch's tokens."""
+    mask = inputs.response_mask
+    centered = inputs.scores - inputs.scores.mean(-1, keepdim=True)
+    returns = inputs.outcome_tokens(centered)
+    return masked_whiten(returns, mask), returns

@@ -8,6 +8,7 @@ eq. 12; verl normalises the same way)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
 
@@ -77,6 +78,7 @@ class ClipConfig:
     clip_ratio_c: float = 3.0
     loss_agg_mode: LossAggMode = "token-mean"
     horizon: int | None = None  # seq-mean-token-sum-norm's constant
+    loss_mode: str = "vanilla"  # the policy loss, by its name in POLICY_LOSSES
 
 
 @dataclass(frozen=True)
@@ -87,6 +89,25 @@ class PolicyLossOutputs:
     ppo_kl: torch.Tensor  # mean of old - new logprob
 
 
+PolicyLossFn = Callable[..., PolicyLossOutputs]
+POLICY_LOSSES: dict[str, PolicyLossFn] = {}
+
+
+def register_policy_loss(name: str) -> Callable[[PolicyLossFn], PolicyLossFn]:
+    """Register a policy loss under `actor.policy_loss.loss_mode` = name. Signature:
+    (logprobs, old_logprobs, advantages, mask, cfg: ClipConfig, weights=None, scale=None) →
+    PolicyLossOutputs, all tensors [B, T]."""
+
+    def register(fn: PolicyLossFn) -> PolicyLossFn:
+        if name in POLICY_LOSSES:
+            raise ValueError(f"policy loss {name!r} is registered already")
+        POLICY_LOSSES[name] = fn
+        return fn
+
+    return register
+
+
+@register_policy_loss("vanilla")
 def ppo_clip_loss(
     logprobs: torch.Tensor,
     old_logprobs: torch.Tensor,
@@ -116,6 +137,40 @@ def ppo_clip_loss(
         loss=agg_loss(token_loss, mask, cfg.loss_agg_mode, cfg.horizon, scale),
         pg_clipfrac=masked_mean((clipped > unclipped).float(), mask, scale).detach(),
         pg_clipfrac_lower=masked_mean(dual.float(), mask, scale).detach(),
+        ppo_kl=masked_mean(-log_ratio, mask, scale).detach(),
+    )
+
+
+@register_policy_loss("gspo")
+def gspo_loss(
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    cfg: ClipConfig,
+    weights: torch.Tensor | None = None,
+    scale: AggScale | None = None,
+) -> PolicyLossOutputs:
+    """GSPO (arXiv 2507.18071): one importance ratio per sequence, the geometric mean of its
+    token ratios, s_i = exp(mean_t log(π/π_old)), clipped to [1 − low, 1 + high] (the paper's
+    ranges are ~1e-4: 3e-4 and 4e-4), and the loss averaged per sequence, then over
+    sequences (seq-mean-token-mean, whatever cfg.loss_agg_mode says). In token form, as verl:
+    log s_i,t = sg[log s_i] + log π_t − sg[log π_t], whose gradient is that of the paper's
+    sequence objective. `weights` multiply each token's loss."""
+    log_ratio = (logprobs - old_logprobs).clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)
+    lengths = mask.sum(-1).clamp(min=1)
+    seq_log_ratio = torch.where(mask.bool(), log_ratio, 0.0).sum(-1) / lengths  # [B]
+    token_log_ratio = logprobs - logprobs.detach() + seq_log_ratio.detach()[:, None]
+    ratio = token_log_ratio.clamp(max=10.0).exp()
+    unclipped = -advantages * ratio
+    clipped = -advantages * ratio.clamp(1.0 - cfg.clip_ratio_low, 1.0 + cfg.clip_ratio_high)
+    token_loss = torch.maximum(unclipped, clipped)
+    if weights is not None:
+        token_loss = token_loss * weights
+    return PolicyLossOutputs(
+        loss=agg_loss(token_loss, mask, "seq-mean-token-mean", cfg.horizon, scale),
+        pg_clipfrac=masked_mean((clipped > unclipped).float(), mask, scale).detach(),
+        pg_clipfrac_lower=torch.zeros(()),
         ppo_kl=masked_mean(-log_ratio, mask, scale).detach(),
     )
 

@@ -33,7 +33,7 @@ def updated(micro_batch_size, mode, model):
         shifted = torch.randn(batch.response_mask.shape, generator=torch.Generator().manual_seed(1))
         batch.old_logprobs = -1.5 + 0.3 * shifted  # ratios on both sides of the clip range
         batch.ref_logprobs = -2.0 + 0.2 * shifted
-    batch.advantages = torch.linspace(-1.0, 1.0, len(batch))
+    batch.advantages = torch.linspace(-1.0, 1.0, len(batch))[:, None] * batch.response_mask
     cfg = ActorConfig(
         ppo_mini_batch_size=4, ppo_micro_batch_size=micro_batch_size, loss_agg_mode=mode,
         entropy_coeff=0.01, use_kl_loss=True, kl_loss_coef=0.1, grad_clip=1e9,
