@@ -260,6 +260,29 @@ class ActorConfig(Section):
     policy_loss: PolicyLossConfig = Field(default_factory=PolicyLossConfig)
 
 
+class CriticModelConfig(Section):
+    path: str | None = Field(
+        None,
+        description="local Hugging Face model directory for the value model; None: the "
+        "policy's initial weights with a fresh scalar head",
+    )
+
+
+class CriticConfig(Section):
+    model: CriticModelConfig = Field(default_factory=CriticModelConfig)
+    optim: OptimConfig = Field(
+        default_factory=lambda: OptimConfig(lr=1e-5),
+        description="AdamW of the value model",
+    )
+    cliprange_value: float = Field(
+        0.5, gt=0.0, description="how far a value prediction may move from the one GAE used"
+    )
+    ppo_epochs: int = Field(1, ge=1, description="passes over each step's rollouts")
+    ppo_mini_batch_size: int = Field(16, ge=1, description="prompts per optimizer step")
+    ppo_micro_batch_size: int = Field(64, ge=1, description="sequences per forward/backward")
+    grad_clip: float = Field(1.0, gt=0.0, description="max global gradient norm")
+
+
 class FilterGroupsConfig(Section):
     enable: bool = Field(False, description="DAPO dynamic sampling: drop groups with equal scores")
     metric: Literal["acc", "score"] = Field(
@@ -293,16 +316,18 @@ class RolloutCorrectionConfig(Section):
 
 class AlgorithmConfig(Section):
     adv_estimator: Literal[
-        "grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline"
+        "grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "gae"
     ] = Field(
         "grpo",
         description="advantage estimator (algorithms/advantages.py registry): grpo, rloo, "
         "reinforce_plus_plus (discounted returns whitened over the batch), "
-        "reinforce_plus_plus_baseline (group-mean baseline, then whitened)",
+        "reinforce_plus_plus_baseline (group-mean baseline, then whitened), gae (PPO with a "
+        "critic, see the critic section)",
     )
     gamma: float = Field(
-        1.0, ge=0.0, le=1.0, description="discount over response tokens (reinforce_plus_plus)"
+        1.0, ge=0.0, le=1.0, description="discount over response tokens (reinforce_plus_plus, gae)"
     )
+    lam: float = Field(1.0, ge=0.0, le=1.0, description="GAE's lambda")
     norm_adv_by_std_in_grpo: bool = Field(
         True, description="divide by the group's std; false gives Dr.GRPO"
     )
@@ -410,6 +435,10 @@ class Config(Section):
         default_factory=AlgorithmConfig,
         description="advantage estimator, DAPO group filter, rollout correction",
     )
+    critic: CriticConfig = Field(
+        default_factory=CriticConfig,
+        description="the value model of algorithm.adv_estimator=gae: model, optimizer, clipping",
+    )
     reward_model: RewardModelConfig = Field(
         default_factory=RewardModelConfig,
         description="reward timeouts and failures, DAPO overlong penalty",
@@ -430,6 +459,12 @@ class Config(Section):
 
     @model_validator(mode="after")
     def _check_batch_sizes(self) -> Config:
+        gae = self.algorithm.adv_estimator == "gae"
+        if gae and self.critic.ppo_mini_batch_size > self.data.train_batch_size:
+            raise ValueError(
+                f"critic.ppo_mini_batch_size ({self.critic.ppo_mini_batch_size}) must not exceed "
+                f"data.train_batch_size ({self.data.train_batch_size})"
+            )
         if self.actor.ppo_mini_batch_size > self.data.train_batch_size:
             raise ValueError(
                 f"actor.ppo_mini_batch_size ({self.actor.ppo_mini_batch_size}) must not exceed "

@@ -12,6 +12,7 @@ import numpy as np
 import torch
 
 from specrl.actor.batch import TrainBatch
+from specrl.actor.critic import load_critic, value_metrics
 from specrl.actor.policy import eos_token_ids, load_actor
 from specrl.algorithms.advantages import AdvantageInputs, compute_advantages
 from specrl.algorithms.dapo import groups_with_signal
@@ -65,6 +66,8 @@ class Trainer:
         initial = cfg.model.path or ensure_toy_policy(ToyPolicySpec(task=cfg.data.task), log=log)
         self.model_dir = model_dir = self.resume_from or initial
         self.actor, self.tokenizer = load_actor(cfg, model_dir, initial, log)
+        gae = cfg.algorithm.adv_estimator == "gae"
+        self.critic = load_critic(cfg, initial) if gae else None
         policy = self.actor.policy
         eos_ids = eos_token_ids(policy, self.tokenizer)
         train, self.val_prompts = load_prompts(cfg.data, self.tokenizer, cfg.trainer.seed, log)
@@ -96,7 +99,8 @@ class Trainer:
             self.sync_weights()
 
     def _checkpointed(self) -> dict:
-        return {"actor": self.actor, "loader": self.loader, "stage": self.stage}
+        parts = {"actor": self.actor, "loader": self.loader, "stage": self.stage}
+        return parts if self.critic is None else {**parts, "critic": self.critic}
 
     def save(self) -> str:
         path = save_checkpoint(
@@ -190,6 +194,9 @@ class Trainer:
         with timed(metrics, "update_actor"):
             seed = cfg.trainer.seed * 1_000_003 + self.global_step
             metrics.update(self.actor.update(batch, cfg.rollout.n, seed).metrics())
+        if self.critic is not None:
+            with timed(metrics, "update_critic"):
+                metrics.update(self.critic.update(batch, cfg.rollout.n, seed).metrics())
         if cfg.rollout.enable_sleep_mode:
             self.engine.wake_up()
         with timed(metrics, "sync"):
@@ -303,14 +310,23 @@ class Trainer:
         if self.actor.reference is not None:
             with timed(metrics, "ref"):
                 batch.ref_logprobs = self.actor.logprobs(batch, reference=True)
+        if self.critic is not None:
+            with timed(metrics, "values"):
+                batch.values = self.critic.values(batch)
         with timed(metrics, "adv"):
             inputs = AdvantageInputs(
                 torch.tensor(scores.scores).view(-1, cfg.rollout.n),
                 batch.response_mask,
                 cfg.algorithm.gamma,
                 cfg.algorithm.norm_adv_by_std_in_grpo,
+                batch.values,
+                cfg.algorithm.lam,
             )
-            batch.advantages, _ = compute_advantages(cfg.algorithm.adv_estimator, inputs)
+            batch.advantages, batch.returns = compute_advantages(
+                cfg.algorithm.adv_estimator, inputs
+            )
+        if self.critic is not None:
+            metrics.update(value_metrics(batch.values, batch.returns, batch.response_mask))
         return batch
 
     def validate(self) -> dict[str, float]:

@@ -18,6 +18,7 @@ from specrl.algorithms.losses import (
     gspo_loss,
     kl_penalty,
     ppo_clip_loss,
+    value_loss,
 )
 from specrl.algorithms.rollout_correction import rollout_is_weights
 from specrl.config import AlgorithmConfig, PolicyLossConfig
@@ -200,3 +201,36 @@ def test_importance_weights_scale_each_token_loss():
     assert plain.item() == pytest.approx(-1.0) and weighted.item() == pytest.approx(-1.0)
     weighted = ppo_clip_loss(logprobs, logprobs, adv, mask, cfg, torch.tensor([[2.0, 1.0]])).loss
     assert weighted.item() == pytest.approx(-1.5)
+
+
+def test_gae_by_hand_on_ragged_responses():
+    """γ = 0.9, λ = 0.8 (γλ = 0.72). Response 0 (3 tokens, reward 1): δ = 0.8, −0.22, −0.14 →
+    A = 0.8, 0.356, 0.11632. Response 1 (2 tokens, reward 0; the value past its end is
+    padding): δ = −0.3, 0.17 → A = −0.3, −0.046."""
+    values = torch.tensor([[0.5, 0.4, 0.2], [0.1, 0.3, 9.0]])
+    inputs = AdvantageInputs(torch.tensor([[1.0, 0.0]]), RAGGED, 0.9, values=values, lam=0.8)
+    adv, returns = compute_advantages("gae", inputs)
+    raw = torch.tensor([0.11632, 0.356, 0.8, -0.046, -0.3])
+    torch.testing.assert_close(
+        returns, torch.tensor([[0.61632, 0.756, 1.0], [0.054, 0.0, 0.0]]), atol=1e-6, rtol=0
+    )
+    whitened = (raw - raw.mean()) / raw.std()  # unbiased, over the five tokens
+    torch.testing.assert_close(adv[RAGGED.bool()], whitened, atol=1e-5, rtol=0)
+    assert adv[1, 2] == 0
+    with pytest.raises(ValueError, match="critic"):
+        compute_advantages("gae", AdvantageInputs(torch.tensor([[1.0, 0.0]]), RAGGED))
+
+
+def test_value_loss_clips_only_where_the_clipped_error_is_larger():
+    """cliprange 0.2. Token a: 0.5 → 0.9 is clipped to 0.7, return 1: errors 0.01 / 0.09, the
+    clipped one counts (no gradient). Token b: 0.5 → 0.6 inside the range, return 0: 0.36.
+    Token c: 0 → 0.5 clipped to 0.2, return −1: errors 2.25 / 1.44, the unclipped counts."""
+    vpreds = torch.tensor([[0.9, 0.6, 0.5]], requires_grad=True)
+    old = torch.tensor([[0.5, 0.5, 0.0]])
+    returns = torch.tensor([[1.0, 0.0, -1.0]])
+    out = value_loss(vpreds, old, returns, torch.ones(1, 3), 0.2)
+    assert out.loss.item() == pytest.approx(0.5 * (0.09 + 0.36 + 2.25) / 3)
+    assert out.vf_clipfrac.item() == pytest.approx(1 / 3)
+    assert out.vpred_mean.item() == pytest.approx(2.0 / 3)
+    out.loss.backward()
+    torch.testing.assert_close(vpreds.grad, torch.tensor([[0.0, 0.6 / 3, 1.5 / 3]]))

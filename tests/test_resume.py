@@ -28,21 +28,29 @@ def comparable(metrics):
     ]
 
 
+@pytest.mark.parametrize(
+    "extra",
+    [[], ["algorithm.adv_estimator=gae", "algorithm.lam=0.95", "critic.ppo_mini_batch_size=2"]],
+)
 def test_resume_at_an_epoch_boundary_with_speculation_matches_the_straight_run(
-    tiny_policy_dir, tmp_path
+    tiny_policy_dir, tmp_path, extra
 ):
-    # 8 prompts, 4 per step: step 2 ends epoch 0, steps 3-4 reuse drafts from the restored store
+    # 8 prompts, 4 per step: step 2 ends epoch 0, steps 3-4 reuse drafts from the restored store;
+    # with gae the critic's weights and optimizer are restored too
+    spec = [*SPEC, *extra]
     straight = tmp_path / "straight"
-    Trainer(small_config(tiny_policy_dir, straight, *SPEC, "trainer.total_training_steps=4")).fit()
+    Trainer(small_config(tiny_policy_dir, straight, *spec, "trainer.total_training_steps=4")).fit()
     split = tmp_path / "split"
-    Trainer(small_config(tiny_policy_dir, split, *SPEC, "trainer.total_training_steps=2")).fit()
-    resumed = Trainer(small_config(tiny_policy_dir, split, *SPEC, "trainer.total_training_steps=4"))
+    Trainer(small_config(tiny_policy_dir, split, *spec, "trainer.total_training_steps=2")).fit()
+    resumed = Trainer(small_config(tiny_policy_dir, split, *spec, "trainer.total_training_steps=4"))
     assert resumed.global_step == 2 and resumed.resume_from.name == "global_step_2"
     resumed.fit()
     a, b = comparable(read_metrics(straight)), comparable(read_metrics(split))
     assert [m["training/global_step"] for m in b] == [0, 1, 2, 3, 4]
     assert b[3]["spec/draft_ratio"] == 1 and b[3]["training/epoch"] == 1
     assert b[3]["spec/tree/nodes"] > 0  # restored trees: equal node counts below
+    if extra:
+        assert "critic/vf_loss" in b[3] and "critic/vf_explained_var" in b[3]
     for x, y in zip(a, b, strict=True):
         assert x.keys() == y.keys()
         for key in x:

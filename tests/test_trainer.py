@@ -63,6 +63,7 @@ def test_same_seed_same_metrics(tiny_policy_dir, tmp_path):
         ["algorithm.adv_estimator=reinforce_plus_plus", "algorithm.gamma=0.99"],
         ["algorithm.adv_estimator=reinforce_plus_plus_baseline", "actor.use_kl_loss=true"],
         ["actor.policy_loss.loss_mode=gspo"],
+        ["algorithm.adv_estimator=gae", "algorithm.lam=0.95", "critic.ppo_mini_batch_size=2"],
     ],
     ids=[
         "rloo",
@@ -73,6 +74,7 @@ def test_same_seed_same_metrics(tiny_policy_dir, tmp_path):
         "reinforce_pp",
         "reinforce_pp_baseline",
         "gspo",
+        "gae",
     ],
 )
 def test_algorithm_variants_train(tiny_policy_dir, tmp_path, overrides):
@@ -91,6 +93,10 @@ def test_algorithm_variants_train(tiny_policy_dir, tmp_path, overrides):
         assert step["actor/kl_loss"] >= 0
     if "algorithm.filter_groups.enable=true" in overrides:
         assert 1 <= step["train/num_gen_batches"] <= 4
+    if "algorithm.adv_estimator=gae" in overrides:
+        critic = ("vf_loss", "vf_clipfrac", "vpred_mean", "values/mean", "returns/mean",
+                  "vf_explained_var", "grad_norm")  # fmt: skip
+        assert all(math.isfinite(step[f"critic/{k}"]) for k in critic)
 
 
 def test_ppo_update_moves_the_policy_toward_higher_advantage(tiny_policy_dir, tmp_path):

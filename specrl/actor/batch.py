@@ -26,6 +26,8 @@ class TrainBatch:
     ref_logprobs: torch.Tensor | None = None  # [B, R] under the KL reference
     advantages: torch.Tensor | None = None  # [B, R]
     is_weights: torch.Tensor | None = None  # [B, R] rollout importance weights
+    values: torch.Tensor | None = None  # [B, R] the critic's values before the update (gae)
+    returns: torch.Tensor | None = None  # [B, R] the critic's targets (gae)
 
     @classmethod
     def collate(cls, rollouts: Sequence[Rollout], pad_id: int) -> TrainBatch:

@@ -4,7 +4,8 @@ Every estimator has one signature: `AdvantageInputs` → (advantages, returns), 
 the response tokens (zero outside `response_mask`). Rollouts arrive prompt-major: B = G·n, the
 n slots of a prompt contiguous, with one outcome score per response ([G, n]). Outcome
 estimators (GRPO, RLOO) give every token of a response its response's advantage; REINFORCE++
-discounts and whitens over the batch's tokens. Register a new one with `@register_adv_est`.
+discounts and whitens over the batch's tokens; GAE uses the critic's values. Register a new one
+with `@register_adv_est`.
 """
 
 from __future__ import annotations
@@ -21,8 +22,10 @@ from specrl.algorithms.losses import masked_mean
 class AdvantageInputs:
     scores: torch.Tensor  # [G, n] one outcome score per response, n slots per prompt
     response_mask: torch.Tensor  # [B, T], B = G·n, prompt-major
-    gamma: float = 1.0  # discount over response tokens (REINFORCE++)
+    gamma: float = 1.0  # discount over response tokens (REINFORCE++, GAE)
     norm_by_std: bool = True  # GRPO: divide by the group's std (false: Dr.GRPO)
+    values: torch.Tensor | None = None  # [B, T] the critic's value of each token's state (GAE)
+    lam: float = 1.0  # GAE's λ
 
     def outcome_tokens(self, per_response: torch.Tensor) -> torch.Tensor:
         """[G, n] → [B, T]: each response's value on each of its tokens."""
@@ -126,3 +129,25 @@ def reinforce_plus_plus_baseline(inputs: AdvantageInputs) -> tuple[torch.Tensor,
     centered = inputs.scores - inputs.scores.mean(-1, keepdim=True)
     returns = inputs.outcome_tokens(centered)
     return masked_whiten(returns, mask), returns
+
+
+@register_adv_est("gae")
+def gae(inputs: AdvantageInputs) -> tuple[torch.Tensor, torch.Tensor]:
+    """Generalised advantage estimation (arXiv 1506.02438) over each response, the score being
+    the reward of its last token: δ_t = r_t + γ V_{t+1} − V_t (0 after the last token),
+    A_t = δ_t + γλ A_{t+1}. Returns A + V are the critic's targets; the advantages are whitened
+    over the batch's tokens (as verl)."""
+    if inputs.values is None:
+        raise ValueError("gae needs the critic's values (AdvantageInputs.values)")
+    mask = inputs.response_mask.bool()
+    rewards, values = inputs.last_token_rewards(), inputs.values
+    advantages = torch.zeros_like(values)
+    running = torch.zeros_like(values[:, 0])  # A_{t+1}
+    next_value = torch.zeros_like(values[:, 0])  # V_{t+1}
+    for t in reversed(range(values.shape[1])):
+        delta = rewards[:, t] + inputs.gamma * next_value - values[:, t]
+        running = torch.where(mask[:, t], delta + inputs.gamma * inputs.lam * running, running)
+        next_value = torch.where(mask[:, t], values[:, t], next_value)
+        advantages[:, t] = running
+    returns = (advantages + values) * mask
+    return masked_whiten(advantages, mask), returns

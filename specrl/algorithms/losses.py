@@ -175,6 +175,35 @@ def gspo_loss(
     )
 
 
+@dataclass(frozen=True)
+class ValueLossOutputs:
+    loss: torch.Tensor  # scalar to backpropagate: ½ · token-mean of the clipped squared error
+    vf_clipfrac: torch.Tensor  # fraction of tokens where the clipped error is the larger
+    vpred_mean: torch.Tensor
+
+
+def value_loss(
+    vpreds: torch.Tensor,
+    old_values: torch.Tensor,
+    returns: torch.Tensor,
+    mask: torch.Tensor,
+    cliprange_value: float,
+    scale: AggScale | None = None,
+) -> ValueLossOutputs:
+    """PPO's clipped value loss (as verl): the prediction may move at most `cliprange_value`
+    from the value the advantages were computed with; the larger of the clipped and unclipped
+    squared errors counts. All tensors [B, T]; `scale` as in the policy losses."""
+    clipped = old_values + (vpreds - old_values).clamp(-cliprange_value, cliprange_value)
+    unclipped_error = (vpreds - returns).square()
+    clipped_error = (clipped - returns).square()
+    error = torch.maximum(unclipped_error, clipped_error)
+    return ValueLossOutputs(
+        loss=0.5 * masked_mean(error, mask, scale),
+        vf_clipfrac=masked_mean((clipped_error > unclipped_error).float(), mask, scale).detach(),
+        vpred_mean=masked_mean(vpreds, mask, scale).detach(),
+    )
+
+
 def kl_penalty(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, kind: KLType) -> torch.Tensor:
     """Per-token estimate of KL(π‖π_ref) from samples of π (Schulman, "Approximating KL
     divergence"): k1 = log r⁻¹, k2 = ½ (log r)², low_var_kl = k3 = r - log r - 1 with r = π_ref/π,
