@@ -19,6 +19,7 @@ from transformers import AutoModelForTokenClassification, PreTrainedModel
 
 from specrl.actor.batch import TrainBatch
 from specrl.actor.policy import DTYPES, ModelLoadError
+from specrl.actor.update import adamw_with_warmup
 from specrl.algorithms.losses import AggScale, masked_mean, value_loss
 from specrl.config import Config, CriticConfig
 
@@ -70,16 +71,7 @@ class Critic:
     def __init__(self, model: PreTrainedModel, cfg: CriticConfig) -> None:
         self.model = model.eval()
         self.cfg = cfg
-        self.optimizer = torch.optim.AdamW(
-            model.parameters(),
-            lr=cfg.optim.lr,
-            betas=cfg.optim.betas,
-            weight_decay=cfg.optim.weight_decay,
-        )
-        warmup = cfg.optim.lr_warmup_steps
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
-            self.optimizer, lambda s: min(1.0, (s + 1) / (warmup + 1))
-        )
+        self.optimizer, self.scheduler = adamw_with_warmup(model, cfg.optim)
 
     @torch.no_grad()
     def values(self, batch: TrainBatch) -> torch.Tensor:

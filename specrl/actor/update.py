@@ -17,7 +17,7 @@ from transformers import PreTrainedModel
 
 from specrl.actor.batch import TrainBatch, batched_logprobs, response_logprobs
 from specrl.algorithms.losses import POLICY_LOSSES, AggScale, ClipConfig, agg_loss, kl_penalty
-from specrl.config import ActorConfig
+from specrl.config import ActorConfig, OptimConfig
 
 
 @dataclass
@@ -129,6 +129,20 @@ def _mini_batch(
     return sums
 
 
+def adamw_with_warmup(
+    model: torch.nn.Module, cfg: OptimConfig
+) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LRScheduler]:
+    """AdamW over the model's parameters and its schedule: linear warmup, then constant."""
+    optimizer = torch.optim.AdamW(
+        model.parameters(), lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay
+    )
+    warmup = cfg.lr_warmup_steps
+    scheduler = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda s: min(1.0, (s + 1) / (warmup + 1))
+    )
+    return optimizer, scheduler
+
+
 class Actor:
     """The policy being trained, its optimizer and learning-rate schedule, and the frozen KL
     reference (None without a KL loss)."""
@@ -146,16 +160,7 @@ class Actor:
         self.cfg = cfg
         self.clip = clip
         self.temperature = temperature
-        self.optimizer = torch.optim.AdamW(
-            policy.parameters(),
-            lr=cfg.optim.lr,
-            betas=cfg.optim.betas,
-            weight_decay=cfg.optim.weight_decay,
-        )
-        warmup = cfg.optim.lr_warmup_steps
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
-            self.optimizer, lambda s: min(1.0, (s + 1) / (warmup + 1))
-        )
+        self.optimizer, self.scheduler = adamw_with_warmup(policy, cfg.optim)
 
     def logprobs(self, batch: TrainBatch, reference: bool = False) -> torch.Tensor:
         """Response logprobs [B, R] under the policy (or the reference), without gradients."""
