@@ -258,6 +258,27 @@ class ActorConfig(Section):
     grad_clip: float = Field(1.0, gt=0.0, description="max global gradient norm")
     optim: OptimConfig = Field(default_factory=OptimConfig)
     policy_loss: PolicyLossConfig = Field(default_factory=PolicyLossConfig)
+    num_workers: int = Field(
+        1,
+        ge=1,
+        description="learner ranks on CPUs: 1 updates in the trainer's process; K > 1 runs the "
+        "update data-parallel on K Ray actors in a gloo group (needs specrl[ray]); on GPUs "
+        "trainer.nnodes x trainer.n_gpus_per_node decides instead",
+    )
+    num_cpus_per_worker: int = Field(
+        1, ge=1, description="Ray CPUs (and torch threads) of each learner rank"
+    )
+    strategy: Literal["ddp", "fsdp2"] = Field(
+        "ddp",
+        description="with K > 1 learner ranks: ddp (a replica per rank, gradients all-reduced) "
+        "or fsdp2 (parameters, gradients and optimizer state sharded across ranks)",
+    )
+    gradient_checkpointing: bool = Field(
+        False, description="recompute activations in the backward pass: less memory, more time"
+    )
+    autocast: Literal["none", "bfloat16"] = Field(
+        "none", description="bfloat16 autocast of the actor's forward passes (for GPUs)"
+    )
 
 
 class CriticModelConfig(Section):
@@ -393,6 +414,15 @@ class TrainerConfig(Section):
         description="stop, after saving, when this many steps in a row had non-finite losses",
     )
     num_threads: int | None = Field(None, ge=1, description="torch CPU threads; None: all cores")
+    nnodes: int = Field(
+        1, ge=1, description="GPU nodes of the learner group (with n_gpus_per_node)"
+    )
+    n_gpus_per_node: int = Field(
+        0,
+        ge=0,
+        description="GPUs per node, one learner rank on each (nccl); 0: learners on CPUs "
+        "(actor.num_workers of them)",
+    )
     logger: list[Literal["console", "jsonl", "tensorboard", "wandb"]] = Field(
         ["console", "jsonl"], description="where metrics go (one name or a list)"
     )
@@ -412,7 +442,12 @@ class RayInitConfig(Section):
     address: str | None = Field(
         None, description="a Ray cluster to join; None starts a local one on loopback"
     )
-    num_cpus: int | None = Field(None, ge=1, description="CPUs of a local Ray; None: all cores")
+    num_cpus: int | None = Field(
+        None,
+        ge=1,
+        description="CPUs of a local Ray; None: all cores. Rollout workers and learner ranks "
+        "each take their num_cpus_per_worker of them",
+    )
 
 
 class RayKwargsConfig(Section):
@@ -454,8 +489,17 @@ class Config(Section):
     )
     ray_kwargs: RayKwargsConfig = Field(
         default_factory=RayKwargsConfig,
-        description="Ray (rollout.num_workers > 0): the cluster to join or the local one's size",
+        description="Ray (rollout.num_workers > 0 or several learner ranks): the cluster to join "
+        "or the local one's size",
     )
+
+    @property
+    def learner_ranks(self) -> int:
+        """Ranks of the learner group: one per GPU (trainer.nnodes x n_gpus_per_node), else
+        actor.num_workers (on CPUs)."""
+        if self.trainer.n_gpus_per_node:
+            return self.trainer.nnodes * self.trainer.n_gpus_per_node
+        return self.actor.num_workers
 
     @model_validator(mode="after")
     def _check_batch_sizes(self) -> Config:
@@ -485,6 +529,16 @@ class Config(Section):
                 "rollout.run_ahead seeds token trees on rollout workers: it needs "
                 "rollout.num_workers >= 1 and token-tree drafts (rollout.name=hf, "
                 "rollout.spec.tree.enabled auto with speculation on, or true)"
+            )
+        if self.trainer.n_gpus_per_node and self.actor.num_workers > 1:
+            raise ValueError(
+                "set either actor.num_workers (learner ranks on CPUs) or trainer.nnodes x "
+                "trainer.n_gpus_per_node (one learner rank per GPU), not both"
+            )
+        if self.trainer.nnodes > 1 and not self.trainer.n_gpus_per_node:
+            raise ValueError(
+                "trainer.nnodes counts GPU nodes: set trainer.n_gpus_per_node too (on CPUs, "
+                "actor.num_workers sets the learner ranks)"
             )
         if self.rollout.spec.tree.enabled is True and self.rollout.name == "vllm":
             raise ValueError(

@@ -14,12 +14,14 @@ import torch
 from specrl.actor.batch import TrainBatch
 from specrl.actor.critic import load_critic, value_metrics
 from specrl.actor.policy import eos_token_ids, load_actor
+from specrl.actor.update import Actor
 from specrl.algorithms.advantages import AdvantageInputs, compute_advantages
 from specrl.algorithms.dapo import groups_with_signal
 from specrl.algorithms.rollout_correction import correction_weights
 from specrl.checkpoint import load_trainer_state, resolve_resume, restore, save_checkpoint
 from specrl.config import Config, save_config
 from specrl.data import PromptLoader, load_prompts
+from specrl.distributed.learner import LearnerGroup
 from specrl.distributed.rollout import RolloutWorkers
 from specrl.engines import SamplingParams
 from specrl.engines.build import build_engine, logprobs_are_the_trainers
@@ -65,7 +67,12 @@ class Trainer:
         state = load_trainer_state(self.resume_from) if self.resume_from else None
         initial = cfg.model.path or ensure_toy_policy(ToyPolicySpec(task=cfg.data.task), log=log)
         self.model_dir = model_dir = self.resume_from or initial
-        self.actor, self.tokenizer = load_actor(cfg, model_dir, initial, log)
+        self.actor: Actor | LearnerGroup
+        if cfg.learner_ranks > 1:  # the update on a torch.distributed group of Ray actors
+            self.actor = LearnerGroup(cfg, model_dir, initial, log)
+            self.tokenizer = self.actor.tokenizer
+        else:
+            self.actor, self.tokenizer = load_actor(cfg, model_dir, initial, log)
         gae = cfg.algorithm.adv_estimator == "gae"
         self.critic = load_critic(cfg, initial) if gae else None
         policy = self.actor.policy
@@ -156,6 +163,8 @@ class Trainer:
             gc.unfreeze()
             if self.workers is not None:
                 self.workers.shutdown()
+            if isinstance(self.actor, LearnerGroup):
+                self.actor.shutdown()
             self.tracker.close()
             self.lock.release()
         return self.tracker.summary(self.run_dir)
@@ -307,7 +316,7 @@ class Trainer:
             cfg.rollout.spec,
         )
         metrics.update(corrected)
-        if self.actor.reference is not None:
+        if cfg.actor.use_kl_loss:
             with timed(metrics, "ref"):
                 batch.ref_logprobs = self.actor.logprobs(batch, reference=True)
         if self.critic is not None:

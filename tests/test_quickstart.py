@@ -60,11 +60,17 @@ def test_toy_policy_build_and_vanilla_grpo_keeps_learning_through_the_default_ru
 
 @pytest.mark.slow
 @pytest.mark.ray
-def test_the_default_run_on_two_rollout_workers(tmp_path, fresh_cache):
+def test_the_default_run_on_two_rollout_workers_and_two_learner_ranks(tmp_path, fresh_cache):
     pytest.importorskip("ray", reason="ray is not installed (pip install 'specrl[ray]')")
     cache, _ = fresh_cache
     run = tmp_path / "run"
-    curve = train_curve(run, cache, "rollout.num_workers=2")  # the default: speculative, exact
+    curve = train_curve(
+        run,
+        cache,
+        "rollout.num_workers=2",
+        "actor.num_workers=2",
+        "ray_kwargs.ray_init.num_cpus=4",
+    )  # the default otherwise: speculative, exact
     last = max(curve)
     assert curve[last] - curve[0] >= 0.20, curve  # learns as the quickstart does
     assert curve[last] > curve[last // 2], curve  # and still rises in its second half

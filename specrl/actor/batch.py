@@ -59,6 +59,14 @@ class TrainBatch:
         """The rows `index` of every tensor."""
         return TrainBatch(**{f.name: _select(getattr(self, f.name), index) for f in fields(self)})
 
+    def to(self, device: torch.device) -> TrainBatch:
+        """Every tensor on `device`."""
+        return TrainBatch(**{f.name: _moved(getattr(self, f.name), device) for f in fields(self)})
+
+
+def _moved(value: torch.Tensor | int | None, device: torch.device) -> torch.Tensor | int | None:
+    return value.to(device) if isinstance(value, torch.Tensor) else value
+
 
 def _select(value: torch.Tensor | int | None, index: torch.Tensor) -> torch.Tensor | int | None:
     return value[index] if isinstance(value, torch.Tensor) else value
@@ -78,17 +86,3 @@ def response_logprobs(
     targets = batch.input_ids[:, batch.prompt_width :]
     logprobs = logits.log_softmax(-1).gather(-1, targets[..., None]).squeeze(-1)
     return logprobs, entropy_from_logits(logits)
-
-
-@torch.no_grad()
-def batched_logprobs(
-    model: PreTrainedModel, batch: TrainBatch, micro_batch_size: int, temperature: float
-) -> torch.Tensor:
-    """response_logprobs [B, R] in micro-batches, without gradients."""
-    parts = [
-        response_logprobs(
-            model, batch.rows(torch.arange(i, min(i + micro_batch_size, len(batch)))), temperature
-        )[0]
-        for i in range(0, len(batch), micro_batch_size)
-    ]
-    return torch.cat(parts)

@@ -13,6 +13,7 @@ from transformers import (
     PreTrainedTokenizerBase,
 )
 
+from specrl.actor.data_parallel import SINGLE, Rank
 from specrl.actor.update import Actor
 from specrl.algorithms.losses import ClipConfig
 from specrl.config import Config
@@ -92,14 +93,22 @@ def reference_policy(
 
 
 def load_actor(
-    cfg: Config, model_dir: Path, initial_dir: Path, log=print
+    cfg: Config,
+    model_dir: Path,
+    initial_dir: Path,
+    log=print,
+    rank: Rank = SINGLE,
+    device: torch.device | str = "cpu",
 ) -> tuple[Actor, PreTrainedTokenizerBase]:
-    """The actor of a run (the policy from `model_dir`, a checkpoint or `initial_dir`; the
-    frozen reference from `initial_dir` when a KL loss is on) and the policy's tokenizer."""
+    """The actor of a run, as learner `rank` runs it on `device` (the policy from `model_dir`,
+    a checkpoint or `initial_dir`; the frozen reference from `initial_dir` when a KL loss is
+    on) and the policy's tokenizer."""
     policy, tokenizer = load_policy(model_dir, cfg.model.dtype, log=log)
+    policy.to(device)
     reference = None
     if cfg.actor.use_kl_loss:
         reference = reference_policy(policy, model_dir, initial_dir, cfg.model.dtype, log)
+        reference.to(device)
     loss = cfg.actor.policy_loss
     gspo = loss.loss_mode == "gspo"  # GSPO clips sequence ratios, within its own ranges
     clip = ClipConfig(
@@ -110,7 +119,7 @@ def load_actor(
         cfg.data.max_response_length,
         loss.loss_mode,
     )
-    return Actor(policy, cfg.actor, clip, cfg.rollout.temperature, reference), tokenizer
+    return Actor(policy, cfg.actor, clip, cfg.rollout.temperature, reference, rank), tokenizer
 
 
 def eos_token_ids(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> list[int]:

@@ -3,11 +3,13 @@
 `ppo_update` runs `actor.ppo_epochs` passes over a step's rollouts; each pass splits them into
 mini-batches (one optimizer step each) and those into micro-batches (gradient accumulation).
 Every micro-batch's loss is its share of its mini-batch's loss (`AggScale`), so the update does
-not depend on `ppo_micro_batch_size`.
+not depend on `ppo_micro_batch_size`, nor on how many learner ranks share each mini-batch
+(data_parallel.py).
 """
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -15,7 +17,19 @@ import numpy as np
 import torch
 from transformers import PreTrainedModel
 
-from specrl.actor.batch import TrainBatch, batched_logprobs, response_logprobs
+from specrl.actor.batch import TrainBatch, response_logprobs
+from specrl.actor.data_parallel import (
+    SINGLE,
+    Rank,
+    balanced_split,
+    full_model_state,
+    full_norm,
+    full_optimizer_state,
+    gradient_sync,
+    load_optimizer_state,
+    micro_batches,
+    wrap,
+)
 from specrl.algorithms.losses import POLICY_LOSSES, AggScale, ClipConfig, agg_loss, kl_penalty
 from specrl.config import ActorConfig, OptimConfig
 
@@ -37,13 +51,44 @@ class ActorStats:
     def metrics(self) -> dict[str, float]:
         return {f"actor/{k}": v for k, v in vars(self).items() if v is not None}
 
+    @classmethod
+    def of(cls, ranks: list[UpdateShares]) -> ActorStats:
+        """The update's statistics from every rank's shares (one rank: its own)."""
+        per_mini = [
+            {k: m[0][k] if k == "grad_norm" else sum(r[k] for r in m) for k in m[0]}
+            for m in zip(*(r.mini_batches for r in ranks), strict=True)
+        ]
+        mean = {k: float(np.mean([m[k] for m in per_mini])) for k in per_mini[0]}
+        return cls(
+            pg_loss=mean["pg_loss"],
+            pg_clipfrac=mean["pg_clipfrac"],
+            pg_clipfrac_lower=mean["pg_clipfrac_lower"],
+            ppo_kl=mean["ppo_kl"],
+            entropy=mean["entropy"],
+            grad_norm=mean["grad_norm"],
+            lr=ranks[0].lr,
+            skipped_updates=ranks[0].skipped,
+            kl_loss=mean.get("kl_loss"),
+        )
+
+
+@dataclass
+class UpdateShares:
+    """One rank's part of an update: per mini-batch, its shares of the loss terms (over the
+    ranks they add up to the mini-batch's values) and the global gradient norm; the
+    mini-batches skipped (the same on every rank) and the learning rate after the update."""
+
+    mini_batches: list[dict[str, float]]
+    skipped: int
+    lr: float
+
 
 @dataclass
 class _MiniBatchSums:
     values: dict[str, float] = field(default_factory=dict)
 
-    def add(self, key: str, value: torch.Tensor) -> None:
-        self.values[key] = self.values.get(key, 0.0) + value.item()
+    def add(self, key: str, value: torch.Tensor, weight: float = 1.0) -> None:
+        self.values[key] = self.values.get(key, 0.0) + weight * value.item()
 
 
 def ppo_update(
@@ -56,11 +101,14 @@ def ppo_update(
     temperature: float,
     group_size: int,
     generator: torch.Generator,
-) -> ActorStats:
+    rank: Rank = SINGLE,
+) -> UpdateShares:
     """Update `model` on `batch` (old logprobs, advantages and, where used, reference logprobs
     and importance weights filled in). A mini-batch is `ppo_mini_batch_size` prompts of
-    `group_size` rollouts each; `generator` shuffles the rollouts every pass."""
+    `group_size` rollouts each; `generator` shuffles the rollouts every pass (the same on every
+    rank); `rank` computes its token-balanced part of each mini-batch."""
     mini = cfg.ppo_mini_batch_size * group_size
+    tokens = batch.attention_mask.sum(-1)
     per_mini: list[dict[str, float]] = []
     skipped = 0
     model.train()
@@ -68,8 +116,11 @@ def ppo_update(
         order = torch.randperm(len(batch), generator=generator)
         for start in range(0, len(batch), mini):
             rows = order[start : start + mini]
-            sums = _mini_batch(model, optimizer, batch, rows, cfg, clip, temperature)
-            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+            parts = balanced_split(rows, tokens, rank.world)
+            scale = AggScale.of(batch.response_mask[rows])
+            micros = micro_batches(parts, rank, cfg.ppo_micro_batch_size)
+            sums = _mini_batch(model, optimizer, batch, micros, scale, cfg, clip, temperature, rank)
+            grad_norm = full_norm(torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip))
             sums.add("grad_norm", grad_norm)
             if torch.isfinite(grad_norm):
                 optimizer.step()
@@ -78,37 +129,30 @@ def ppo_update(
                 skipped += 1
             per_mini.append(sums.values)
     model.eval()
-    mean = {k: float(np.mean([m[k] for m in per_mini])) for k in per_mini[0]}
-    return ActorStats(
-        pg_loss=mean["pg_loss"],
-        pg_clipfrac=mean["pg_clipfrac"],
-        pg_clipfrac_lower=mean["pg_clipfrac_lower"],
-        ppo_kl=mean["ppo_kl"],
-        entropy=mean["entropy"],
-        grad_norm=mean["grad_norm"],
-        lr=scheduler.get_last_lr()[0],
-        skipped_updates=skipped,
-        kl_loss=mean.get("kl_loss"),
-    )
+    return UpdateShares(per_mini, skipped, scheduler.get_last_lr()[0])
 
 
 def _mini_batch(
     model: PreTrainedModel,
     optimizer: torch.optim.Optimizer,
     batch: TrainBatch,
-    rows: torch.Tensor,
+    micros: list[tuple[torch.Tensor, float]],
+    scale: AggScale,
     cfg: ActorConfig,
     clip: ClipConfig,
     temperature: float,
+    rank: Rank,
 ) -> _MiniBatchSums:
-    """Accumulate the gradient of one mini-batch over its micro-batches: → the mini-batch's loss
-    terms (each the sum of its micro-batches' shares)."""
+    """Accumulate the gradient of one mini-batch (whose totals are `scale`) over this rank's
+    micro-batches (rows, loss weight), reducing it across ranks in the last backward: → this
+    rank's shares of the mini-batch's loss terms."""
     optimizer.zero_grad(set_to_none=True)
-    scale = AggScale.of(batch.response_mask[rows])
     sums = _MiniBatchSums()
-    for micro in rows.split(cfg.ppo_micro_batch_size):
-        part = batch.rows(micro)
-        logprobs, entropy = response_logprobs(model, part, temperature)  # [b, R] each
+    device = next(model.parameters()).device
+    for i, (micro, weight) in enumerate(micros):
+        part = batch.rows(micro).to(device)
+        with autocast(device, cfg.autocast):
+            logprobs, entropy = response_logprobs(model, part, temperature)  # [b, R] each
         mask = part.response_mask
         out = POLICY_LOSSES[clip.loss_mode](
             logprobs, part.old_logprobs, part.advantages, mask, clip, part.is_weights, scale
@@ -119,14 +163,22 @@ def _mini_batch(
             kl = kl_penalty(logprobs, part.ref_logprobs, cfg.kl_loss_type)
             kl_term = agg_loss(kl, mask, cfg.loss_agg_mode, clip.horizon, scale)
             loss = loss + cfg.kl_loss_coef * kl_term
-            sums.add("kl_loss", kl_term)
-        loss.backward()
-        sums.add("pg_loss", out.loss)
-        sums.add("pg_clipfrac", out.pg_clipfrac)
-        sums.add("pg_clipfrac_lower", out.pg_clipfrac_lower)
-        sums.add("ppo_kl", out.ppo_kl)
-        sums.add("entropy", entropy_term)
+            sums.add("kl_loss", kl_term, weight)
+        with gradient_sync(model, enabled=i == len(micros) - 1):
+            (loss * (weight * rank.world)).backward()  # ranks' gradients are averaged
+        sums.add("pg_loss", out.loss, weight)
+        sums.add("pg_clipfrac", out.pg_clipfrac, weight)
+        sums.add("pg_clipfrac_lower", out.pg_clipfrac_lower, weight)
+        sums.add("ppo_kl", out.ppo_kl, weight)
+        sums.add("entropy", entropy_term, weight)
     return sums
+
+
+def autocast(device: torch.device, dtype: str) -> contextlib.AbstractContextManager:
+    """`actor.autocast`: bfloat16 autocast of the forward (losses stay float32), or nothing."""
+    if dtype == "none":
+        return contextlib.nullcontext()
+    return torch.autocast(device.type, dtype=torch.bfloat16)
 
 
 def adamw_with_warmup(
@@ -145,7 +197,8 @@ def adamw_with_warmup(
 
 class Actor:
     """The policy being trained, its optimizer and learning-rate schedule, and the frozen KL
-    reference (None without a KL loss)."""
+    reference (None without a KL loss), as `rank` of the learner group runs them (data_parallel:
+    wrapped for DDP or FSDP2 with K > 1 ranks; the models themselves with one)."""
 
     def __init__(
         self,
@@ -154,20 +207,38 @@ class Actor:
         clip: ClipConfig,
         temperature: float,
         reference: PreTrainedModel | None = None,
+        rank: Rank = SINGLE,
     ) -> None:
-        self.policy = policy
-        self.reference = reference
+        self.rank = rank
+        self.policy = wrap(policy, cfg, rank, train=True)
+        self.reference = None if reference is None else wrap(reference, cfg, rank, train=False)
         self.cfg = cfg
         self.clip = clip
         self.temperature = temperature
-        self.optimizer, self.scheduler = adamw_with_warmup(policy, cfg.optim)
+        self.optimizer, self.scheduler = adamw_with_warmup(self.policy, cfg.optim)
 
-    def logprobs(self, batch: TrainBatch, reference: bool = False) -> torch.Tensor:
-        """Response logprobs [B, R] under the policy (or the reference), without gradients."""
+    @torch.no_grad()
+    def logprobs(
+        self,
+        batch: TrainBatch,
+        reference: bool = False,
+        parts: list[torch.Tensor] | None = None,
+    ) -> torch.Tensor:
+        """Response logprobs [b, R] under the policy (or the reference), without gradients, of
+        this rank's part of `batch` (`parts`: every rank's rows; None: all of it, one rank)."""
         model = self.reference if reference else self.policy
-        return batched_logprobs(model, batch, self.cfg.ppo_micro_batch_size, self.temperature)
+        parts = [torch.arange(len(batch))] if parts is None else parts
+        device = next(model.parameters()).device
+        out = []
+        for rows, weight in micro_batches(parts, self.rank, self.cfg.ppo_micro_batch_size):
+            with autocast(device, self.cfg.autocast):
+                logprobs = response_logprobs(model, batch.rows(rows).to(device), self.temperature)
+            if weight:
+                out.append(logprobs[0].float().cpu())
+        return torch.cat(out) if out else torch.zeros(0, batch.response_mask.shape[1])
 
-    def update(self, batch: TrainBatch, group_size: int, seed: int) -> ActorStats:
+    def update_shares(self, batch: TrainBatch, group_size: int, seed: int) -> UpdateShares:
+        """This rank's part of the update (all of it with one rank)."""
         generator = torch.Generator().manual_seed(seed)
         return ppo_update(
             self.policy,
@@ -179,11 +250,24 @@ class Actor:
             self.temperature,
             group_size,
             generator,
+            self.rank,
         )
 
+    def update(self, batch: TrainBatch, group_size: int, seed: int) -> ActorStats:
+        return ActorStats.of([self.update_shares(batch, group_size, seed)])
+
+    def weights(self) -> dict[str, torch.Tensor]:
+        """The policy's full state dict (every rank calls; with K > 1 only rank 0 gets it)."""
+        return full_model_state(self.policy, self.rank.world)
+
     def state_dict(self) -> dict[str, Any]:
-        return {"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict()}
+        """The optimizer keyed by parameter names and the schedule: the same for any number of
+        ranks (every rank calls; with K > 1 only rank 0 gets the optimizer)."""
+        return {
+            "optimizer": full_optimizer_state(self.policy, self.optimizer, self.rank.world),
+            "scheduler": self.scheduler.state_dict(),
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.optimizer.load_state_dict(state["optimizer"])
+        load_optimizer_state(self.policy, self.optimizer, state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])

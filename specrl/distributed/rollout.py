@@ -41,15 +41,32 @@ class RolloutWorkersError(UserError):
     """Every rollout worker died."""
 
 
-def import_ray():
+def import_ray(what: str = "rollout.num_workers > 0"):
     try:
         import ray
     except ImportError:
         raise UserError(
-            "rollout.num_workers > 0 needs Ray: pip install 'specrl[ray]' (or set "
-            "rollout.num_workers=0 to roll out in the trainer's process)"
+            f"{what} needs Ray: pip install 'specrl[ray]' (or set rollout.num_workers=0 and "
+            "actor.num_workers=1 to run in the trainer's process)"
         ) from None
     return ray
+
+
+def require_cpus(ray, cfg: Config) -> None:
+    """Stop with a message, not a hang, when the run's actors ask a local Ray for more CPUs
+    than it has (Ray would wait for them forever)."""
+    if cfg.ray_kwargs.ray_init.address is not None:
+        return
+    needed = cfg.rollout.num_workers * cfg.rollout.num_cpus_per_worker
+    if cfg.learner_ranks > 1:
+        needed += cfg.learner_ranks * cfg.actor.num_cpus_per_worker
+    have = ray.cluster_resources().get("CPU", 0)
+    if needed > have:
+        raise UserError(
+            f"the rollout workers and learner ranks need {needed} Ray CPUs and the local Ray has "
+            f"{have:g}; set ray_kwargs.ray_init.num_cpus={needed} (a local Ray may count more "
+            "CPUs than the machine has) or lower the num_cpus_per_worker settings"
+        )
 
 
 def start_ray(cfg: RayInitConfig) -> None:
@@ -118,6 +135,7 @@ class RolloutWorkers:
     ) -> None:
         ray = import_ray()
         start_ray(cfg.ray_kwargs.ray_init)
+        require_cpus(ray, cfg)
         self._ray = ray
         self.cfg = cfg
         self.log = log

@@ -8,8 +8,10 @@
   (`NCCLTrainerWeightTransferEngine`, driven over the worker actors by vLLM's
   `RayVLLMWeightSyncClient`). A group that lost a member is rebuilt with the live workers.
 
-`auto` is nccl where it can run (vLLM workers with GPUs, a GPU in the trainer's process), else
-object_store. The nccl side lives in `nccl_sync.py`, imported only when it is chosen (it
+`auto` is nccl where it can run (vLLM workers with GPUs, the policy on a GPU in the trainer's
+process), else object_store. With several learner ranks the trainer's process holds a CPU copy
+of the policy, gathered from them after each update (rank 0 gathers the full tensors; under FSDP2
+every rank takes part), and publishes it through the object store. The nccl side lives in `nccl_sync.py`, imported only when it is chosen (it
 imports vLLM).
 """
 
@@ -25,12 +27,13 @@ def resolve_backend(cfg: Config) -> str:
     """The backend `rollout.checkpoint_engine.backend` names, with `auto` resolved."""
     backend = cfg.rollout.checkpoint_engine.backend
     gpu_workers = cfg.rollout.name == "vllm" and cfg.rollout.num_gpus_per_worker > 0
+    gpu_trainer = torch.cuda.is_available() and cfg.learner_ranks == 1
     if backend == "auto":
-        return "nccl" if gpu_workers and torch.cuda.is_available() else "object_store"
-    if backend == "nccl" and not (gpu_workers and torch.cuda.is_available()):
+        return "nccl" if gpu_workers and gpu_trainer else "object_store"
+    if backend == "nccl" and not (gpu_workers and gpu_trainer):
         raise UserError(
             "rollout.checkpoint_engine.backend=nccl needs vLLM rollout workers on GPUs "
-            "(rollout.name=vllm, rollout.num_gpus_per_worker >= 1) and a GPU in the trainer's "
-            "process; use object_store (or auto) here"
+            "(rollout.name=vllm, rollout.num_gpus_per_worker >= 1) and the policy on a GPU in "
+            "the trainer's process (one learner rank); use object_store (or auto) here"
         )
     return backend

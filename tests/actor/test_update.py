@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from specrl.actor.batch import TrainBatch
-from specrl.actor.update import ppo_update
+from specrl.actor.update import ActorStats, ppo_update
 from specrl.algorithms.losses import ClipConfig
 from specrl.config import ActorConfig
 from specrl.types import Prompt, Rollout
@@ -42,10 +42,10 @@ def updated(micro_batch_size, mode, model):
     optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
     clip = ClipConfig(0.2, 0.28, 3.0, mode, horizon=15)
-    stats = ppo_update(
+    shares = ppo_update(
         model, optimizer, scheduler, batch, cfg, clip, 1.0, 4, torch.Generator().manual_seed(0)
     )
-    return model.state_dict(), stats
+    return model.state_dict(), ActorStats.of([shares])
 
 
 @pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"])

@@ -1,0 +1,152 @@
+"""The actor on K learner ranks: a torch.distributed group (gloo on CPUs, nccl on GPUs) of Ray
+actors, as verl places its FSDP workers (`actor.num_workers`, or `trainer.nnodes` x
+`trainer.n_gpus_per_node`; `actor.strategy` ddp | fsdp2).
+
+`LearnerRank` is plain Python (placed as a Ray actor, it imports Ray only to name its node):
+its own copy of the policy (and the KL reference), wrapped for its strategy, and the optimizer
+of its parameters; the update itself is `specrl.actor`'s, on this rank's token-balanced part of
+each mini-batch. `LearnerGroup`, on the trainer's side, stands where the in-process `Actor`
+stands: `logprobs`, `update`, `state_dict` / `load_state_dict`, and `policy`, a CPU copy of the
+weights refreshed after each update (for the in-process engine, weight publishing and
+checkpoints). Checkpoints hold the full optimizer state keyed by parameter names, so a run
+saved with K ranks resumes with any K. A rank that dies stops the run with a message: the
+group's collectives cannot go on without it, and the last checkpoint resumes it.
+"""
+
+from __future__ import annotations
+
+import socket
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from specrl.actor.batch import TrainBatch
+from specrl.actor.data_parallel import Rank, balanced_split
+from specrl.actor.policy import load_actor, load_policy
+from specrl.actor.update import ActorStats, UpdateShares
+from specrl.config import Config
+from specrl.distributed.rollout import import_ray, require_cpus, start_ray
+from specrl.errors import UserError
+
+
+class LearnerGroupError(UserError):
+    """A learner rank died or failed: the group cannot go on."""
+
+
+class LearnerRank:
+    def __init__(self, cfg: Config, model_dir: Path, initial_dir: Path, index: int, world: int):
+        torch.set_num_threads(cfg.actor.num_cpus_per_worker)
+        self.cfg = cfg
+        self.model_dir, self.initial_dir = model_dir, initial_dir
+        self.rank = Rank(index, world)
+        self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        self.actor = None
+
+    def endpoint(self) -> tuple[str, int]:
+        """This node's address and a free port on it: the group's rendezvous (rank 0's)."""
+        import ray
+
+        with socket.socket() as s:
+            s.bind(("", 0))
+            port = s.getsockname()[1]
+        return ray.util.get_node_ip_address(), port
+
+    def join(self, host: str, port: int) -> None:
+        """Join the group, then load the models and build the optimizer (FSDP2 shards the
+        parameters before the optimizer sees them)."""
+        backend = "nccl" if self.device.type == "cuda" else "gloo"
+        dist.init_process_group(
+            backend,
+            init_method=f"tcp://{host}:{port}",
+            rank=self.rank.index,
+            world_size=self.rank.world,
+        )
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+        self.actor = load_actor(
+            self.cfg, self.model_dir, self.initial_dir, log=lambda _: None, rank=self.rank,
+            device=self.device,
+        )[0]  # fmt: skip
+
+    def logprobs(
+        self, batch: TrainBatch, parts: list[torch.Tensor], reference: bool
+    ) -> torch.Tensor:
+        return self.actor.logprobs(batch, reference, parts)
+
+    def update(self, batch: TrainBatch, group_size: int, seed: int) -> UpdateShares:
+        return self.actor.update_shares(batch, group_size, seed)
+
+    def weights(self) -> dict[str, torch.Tensor]:
+        return self.actor.weights()
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.actor.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.actor.load_state_dict(state)
+
+
+class LearnerGroup:
+    def __init__(self, cfg: Config, model_dir: Path, initial_dir: Path, log=print) -> None:
+        ray = import_ray(what="several learner ranks")
+        start_ray(cfg.ray_kwargs.ray_init)
+        self._ray = ray
+        self.cfg = cfg
+        world = cfg.learner_ranks
+        gpus = 1 if cfg.trainer.n_gpus_per_node else 0
+        require_cpus(ray, cfg)
+        self.policy, self.tokenizer = load_policy(model_dir, cfg.model.dtype, log)
+        self.policy.eval()
+        remote = ray.remote(LearnerRank).options(
+            num_cpus=cfg.actor.num_cpus_per_worker, num_gpus=gpus, max_restarts=0
+        )
+        self.ranks = [remote.remote(cfg, model_dir, initial_dir, i, world) for i in range(world)]
+        host, port = self._get(self.ranks[0].endpoint.remote())
+        self._get([r.join.remote(host, port) for r in self.ranks])
+        strategy = cfg.actor.strategy
+        log(f"learner group: {world} ranks ({strategy}, {'nccl' if gpus else 'gloo'})")
+
+    def _get(self, refs):
+        try:
+            return self._ray.get(refs)
+        except self._ray.exceptions.RayActorError as err:
+            raise LearnerGroupError(
+                f"a learner rank died ({type(err).__name__}); the group cannot go on without "
+                "it: rerun the same command to resume from the last checkpoint"
+            ) from None
+
+    def _parts(self, batch: TrainBatch) -> list[torch.Tensor]:
+        rows = torch.arange(len(batch))
+        return balanced_split(rows, batch.attention_mask.sum(-1), len(self.ranks))
+
+    def logprobs(self, batch: TrainBatch, reference: bool = False) -> torch.Tensor:
+        """Response logprobs [B, R] (each rank those of its token-balanced part)."""
+        parts = self._parts(batch)
+        ref = self._ray.put(batch)
+        outs = self._get([r.logprobs.remote(ref, parts, reference) for r in self.ranks])
+        out = torch.zeros(batch.response_mask.shape)
+        for rows, values in zip(parts, outs, strict=True):
+            out[rows] = values
+        return out
+
+    def update(self, batch: TrainBatch, group_size: int, seed: int) -> ActorStats:
+        """The update on every rank; then the new weights, gathered by rank 0, into `policy`."""
+        ref = self._ray.put(batch)
+        shares = [r.update.remote(ref, group_size, seed) for r in self.ranks]
+        weights = [r.weights.remote() for r in self.ranks]
+        stats = ActorStats.of(self._get(shares))
+        self.policy.load_state_dict(self._get(weights)[0])
+        return stats
+
+    def state_dict(self) -> dict[str, Any]:
+        return self._get([r.state_dict.remote() for r in self.ranks])[0]
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        ref = self._ray.put(state)
+        self._get([r.load_state_dict.remote(ref) for r in self.ranks])
+
+    def shutdown(self) -> None:
+        for rank in self.ranks:
+            self._ray.kill(rank, no_restart=True)
