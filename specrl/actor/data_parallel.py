@@ -76,7 +76,7 @@ def wrap(model: torch.nn.Module, cfg: ActorConfig, rank: Rank, train: bool) -> t
     optimizer state sharded across ranks). A frozen model (the KL reference) is sharded under
     FSDP2 and left as it is under DDP."""
     if train and cfg.gradient_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.activation_checkpointing_enable({"use_reentrant": False})
     if rank.world == 1:
         return model
     if cfg.strategy == "fsdp2":

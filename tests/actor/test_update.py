@@ -72,3 +72,37 @@ def test_extreme_ratios_and_nan_in_padding_give_a_finite_loss_and_gradient():
     out.loss.backward()
     assert torch.isfinite(out.loss) and torch.isfinite(logprobs.grad).all()
     assert torch.isfinite(out.ppo_kl)
+
+
+def _actor_update(model, **overrides):
+    """The weights after one `Actor.update` (AdamW) with `actor.*` overrides."""
+    from specrl.actor.update import Actor
+
+    batch = TrainBatch.collate(rollouts(), pad_id=0)
+    batch.old_logprobs = torch.full(batch.response_mask.shape, -2.0)
+    batch.advantages = torch.linspace(-1.0, 1.0, len(batch))[:, None] * batch.response_mask
+    cfg = ActorConfig(ppo_mini_batch_size=4, ppo_micro_batch_size=5, **overrides)
+    actor = Actor(copy.deepcopy(model), cfg, ClipConfig(), 1.0)
+    stats = actor.update(batch, 4, seed=0)
+    return {k: v.detach() for k, v in actor.policy.state_dict().items()}, stats
+
+
+def test_gradient_checkpointing_gives_the_same_update():
+    model = make_tiny_model(seed=0, init=0.3)
+    plain, plain_stats = _actor_update(model)
+    checkpointed, stats = _actor_update(model, gradient_checkpointing=True)
+    for key, value in plain.items():
+        torch.testing.assert_close(checkpointed[key], value, rtol=1e-5, atol=1e-7)
+    assert stats.pg_loss == pytest.approx(plain_stats.pg_loss, rel=1e-5)
+
+
+def test_bfloat16_autocast_updates_the_weights_the_same_way():
+    model = make_tiny_model(seed=0, init=0.3)
+    start = model.state_dict()
+    plain, _ = _actor_update(model)
+    autocast, stats = _actor_update(model, autocast="bfloat16")
+    assert autocast["model.embed_tokens.weight"].dtype == torch.float32  # weights stay float32
+    delta = torch.cat([(plain[k] - v).flatten() for k, v in start.items()])
+    delta_bf16 = torch.cat([(autocast[k] - v).flatten() for k, v in start.items()])
+    assert torch.isfinite(delta_bf16).all() and stats.skipped_updates == 0
+    assert torch.nn.functional.cosine_similarity(delta, delta_bf16, dim=0) > 0.9
