@@ -1,4 +1,7 @@
-"""Rollout-stage scaling on Ray: in-process vs 1 and 2 rollout workers, with a fixed policy.
+"""Scaling on Ray: the rollout stage with 1 and 2 rollout workers (fixed policy), then whole
+training steps with N = 1, 2 rollout workers and K = 1, 2 learner ranks.
+
+Part 1, the rollout stage.
 
 The built-in policy rolls out 64 training prompts of the default task for several rounds (each
 round a batch of `data.train_batch_size` = 32 prompts × `rollout.n` slots; two batches per epoch,
@@ -21,7 +24,22 @@ with W the in-process rollout time and d the dispatch overhead measured at N = 1
 prediction for N = 2 is checked against the measurement and it projects larger N (dispatch
 held at its N = 2 value, imbalance at 1.08, the planner's level at 8-64 workers). The 1-minute
 load average is recorded before and after: a run started on a busy machine (load > 0.5) is
-flagged. Writes OUT/ray_scaling.json and OUT/ray_scaling.png.
+flagged.
+
+Part 2, training steps. Four trainers with the default config (1 torch thread in the trainer's
+process, in each worker and in each rank), N rollout workers and K learner ranks for (N, K) in
+{1, 2}², train step by step interleaved, from the same policy, seeds and data. Per step the
+trainer's own timings: step, rollout, actor update (with K > 1: the ranks' update and the
+gather of the new weights into the trainer), weight sync. From them: the update's parallel
+efficiency U(1) / (2 U(2)) and a step-time model
+
+    T(N, K) = R(N) + U(K) + O
+
+with R(N) measured at (N, 1), U(K) at (1, K) and O, everything else, at (1, 1); its prediction
+for (2, 2) is checked against the measurement, and it projects N = K = k (R: dispatch d(1) +
+(R(1) - d(1)) * 1.08 / k; U: its K = 2 overhead U(2) - U(1) / 2, held constant, + U(1) / k).
+
+Writes OUT/ray_scaling.json and OUT/ray_scaling.png.
 
     python benchmarks/ray_scaling.py --out benchmarks/cpu-hf-ray-scaling
 """
@@ -42,17 +60,20 @@ import transformers
 
 from specrl.actor.policy import eos_token_ids
 from specrl.config import load_config
+from specrl.distributed.learner import LearnerGroup
 from specrl.distributed.rollout import RolloutWorkers, start_ray
 from specrl.speculative.stage import SpeculativeStage
 from specrl.trainer import Trainer
 
 ARMS = ("in-process", "1 worker", "2 workers", "2 workers + run-ahead")
+STEP_ARMS = ((1, 1), (1, 2), (2, 1), (2, 2))  # (rollout workers N, learner ranks K)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", default="ray-scaling")
     parser.add_argument("--rounds", type=int, default=12)
+    parser.add_argument("--steps", type=int, default=10, help="training steps per (N, K) arm")
     args = parser.parse_args()
     out = Path(args.out)
     load_before = os.getloadavg()[0]
@@ -62,8 +83,9 @@ def main() -> None:
             f"trainer.output_dir={out / 'run'}",
             "trainer.logger=[]",
             "trainer.resume_mode=disable",
-            # logical CPUs: the three groups' five workers all exist, one group runs at a time
-            "ray_kwargs.ray_init.num_cpus=5",
+            # logical CPUs: part 1's five workers, then part 2's eight workers and ranks all
+            # exist; one group runs at a time
+            "ray_kwargs.ray_init.num_cpus=8",
             # two batches per epoch: from round 2 on every prompt has drafts and a tree
             "data.train_size=64",
         ],
@@ -131,7 +153,6 @@ def main() -> None:
         identical &= all(t == tokens[0] for t in tokens)
     for group in groups.values():
         group.shutdown()
-    load_after = os.getloadavg()[0]
 
     def mean(arm: str, key: str) -> float:
         return float(np.mean([m[key] for m in history[arm][2:]]))  # from the first drafts on
@@ -147,6 +168,8 @@ def main() -> None:
     projection = {
         str(k): d2 + w * 1.08 / k for k in (4, 8, 16, 32, 64)
     }  # in-process seconds of this batch, spread over k workers
+    steps, step_history = step_scaling(cfg, out, args.steps, d1)
+    load_after = os.getloadavg()[0]
     result = {
         "rounds": args.rounds,
         "prompts_per_round": cfg.data.train_batch_size,
@@ -177,6 +200,7 @@ def main() -> None:
             "projection_s": projection,
         },
         "identical_rollouts": identical,
+        "steps": steps,
         "load_average": {"before": load_before, "after": load_after},
         "busy_machine": load_before > 0.5,
         "engine": f"hf (transformers {transformers.__version__}, torch {torch.__version__})",
@@ -185,17 +209,103 @@ def main() -> None:
     }
     out.mkdir(parents=True, exist_ok=True)
     (out / "ray_scaling.json").write_text(json.dumps(result, indent=2))
-    _plot(history, result, out / "ray_scaling.png")
+    _plot(history, step_history, result, out / "ray_scaling.png")
     print(json.dumps(result, indent=2))
 
 
-def _plot(history: dict[str, list[dict[str, float]]], result: dict, path: Path) -> None:
+STEP_KEYS = {
+    "step": "timing_s/step",
+    "rollout": "timing_s/rollout",
+    "update_actor": "timing_s/update_actor",
+    "sync": "timing_s/sync",
+}
+
+
+def step_scaling(
+    cfg, out: Path, count: int, d1: float
+) -> tuple[dict, dict[str, list[dict[str, float]]]]:
+    """Part 2: `count` training steps per (N, K) arm, interleaved step by step (the first two,
+    warm-up, left out of the means). → the summary and each arm's timings per step."""
+    trainers = {}
+    for n, k in STEP_ARMS:
+        arm_cfg = load_config(
+            None,
+            [
+                f"trainer.output_dir={out / f'run-{n}-{k}'}",
+                "trainer.logger=[]",
+                "trainer.resume_mode=disable",
+                "trainer.num_threads=1",
+                "ray_kwargs.ray_init.num_cpus=8",
+                f"data.train_size={cfg.data.train_size}",
+                f"rollout.num_workers={n}",
+                f"actor.num_workers={k}",
+            ],
+        )
+        trainers[f"N={n} K={k}"] = Trainer(arm_cfg)
+    torch.set_num_threads(1)
+    history: dict[str, list[dict[str, float]]] = {arm: [] for arm in trainers}
+    for step in range(1, count + 1):
+        for arm, trainer in trainers.items():
+            trainer.global_step = step
+            metrics = trainer.train_step()
+            history[arm].append(
+                {"training/global_step": step, **{k: metrics[v] for k, v in STEP_KEYS.items()}}
+            )
+            print(f"step {step} {arm}: {metrics['timing_s/step']:.2f} s", flush=True)
+    for trainer in trainers.values():
+        trainer.workers.shutdown()
+        if isinstance(trainer.actor, LearnerGroup):
+            trainer.actor.shutdown()
+        trainer.lock.release()
+
+    def mean(arm: str, key: str) -> float:
+        return float(np.mean([m[key] for m in history[arm][2:]]))
+
+    T = {arm: mean(arm, "step") for arm in trainers}
+    R = {n: mean(f"N={n} K=1", "rollout") for n in (1, 2)}
+    U = {k: mean(f"N=1 K={k}", "update_actor") for k in (1, 2)}
+    other = T["N=1 K=1"] - R[1] - U[1]
+    predicted = R[2] + U[2] + other
+    update_overhead = U[2] - U[1] / 2
+    projection = {
+        str(k): d1 + (R[1] - d1) * 1.08 / k + update_overhead + U[1] / k + other
+        for k in (4, 8, 16, 32, 64)
+    }
+    summary = {
+        "steps_per_arm": count,
+        "step_s": T,
+        "rollout_s": {arm: mean(arm, "rollout") for arm in trainers},
+        "update_actor_s": {arm: mean(arm, "update_actor") for arm in trainers},
+        "sync_s": {arm: mean(arm, "sync") for arm in trainers},
+        "update_parallel_efficiency": U[1] / (2 * U[2]),
+        "update_speedup_2_ranks": U[1] / U[2],
+        "step_speedup_2x2": T["N=1 K=1"] / T["N=2 K=2"],
+        "model": {
+            "formula": "T(N, K) = R(N) + U(K) + O",
+            "R_s": R,
+            "U_s": U,
+            "O_s": other,
+            "predicted_2_2_s": predicted,
+            "measured_2_2_s": T["N=2 K=2"],
+            "relative_error": predicted / T["N=2 K=2"] - 1,
+            "projection_N_eq_K_s": projection,
+        },
+    }
+    return summary, history
+
+
+def _plot(
+    history: dict[str, list[dict[str, float]]],
+    step_history: dict[str, list[dict[str, float]]],
+    result: dict,
+    path: Path,
+) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 3.5))
+    fig, (left, right, steps) = plt.subplots(1, 3, figsize=(16, 3.5))
     for arm, rows in history.items():
         left.plot(
             [m["training/global_step"] for m in rows], [m["rollout_s"] for m in rows], label=arm
@@ -214,7 +324,21 @@ def _plot(history: dict[str, list[dict[str, float]]], result: dict, path: Path) 
     right.set_title("rollout time per batch vs rollout workers N")
     right.set_xlabel("N")
     right.legend()
-    fig.suptitle("rollout stage on Ray (fixed policy, 1 thread per worker)")
+    arms = list(step_history)
+    parts = ("rollout", "update_actor", "sync")
+    bottom = np.zeros(len(arms))
+    for part in parts:
+        values = np.array([np.mean([m[part] for m in step_history[a][2:]]) for a in arms])
+        steps.bar(arms, values, bottom=bottom, label=part)
+        bottom += values
+    totals = [result["steps"]["step_s"][a] for a in arms]
+    steps.plot(arms, totals, "k_", markersize=30, label="step (incl. the rest)")
+    steps.plot(
+        [arms[-1]], [result["steps"]["model"]["predicted_2_2_s"]], "rx", label="model at (2, 2)"
+    )
+    steps.set_title("training step (s): N rollout workers, K learner ranks")
+    steps.legend(fontsize=7)
+    fig.suptitle("specrl on Ray (1 thread per process)")
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)

@@ -289,11 +289,14 @@ class CriticModelConfig(Section):
     )
 
 
+class CriticOptimConfig(OptimConfig):
+    lr: float = Field(1e-5, gt=0.0, description="AdamW learning rate of the value model")
+
+
 class CriticConfig(Section):
     model: CriticModelConfig = Field(default_factory=CriticModelConfig)
-    optim: OptimConfig = Field(
-        default_factory=lambda: OptimConfig(lr=1e-5),
-        description="AdamW of the value model",
+    optim: CriticOptimConfig = Field(
+        default_factory=CriticOptimConfig, description="AdamW of the value model"
     )
     cliprange_value: float = Field(
         0.5, gt=0.0, description="how far a value prediction may move from the one GAE used"

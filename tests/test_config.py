@@ -43,6 +43,13 @@ from specrl.config import ConfigError, load_config
         ),
         (["rollout.dispatch.max_imbalance=-1"], "rollout.dispatch.max_imbalance"),
         (["rollout.checkpoint_engine.backend=rdma"], "rollout.checkpoint_engine.backend"),
+        (["actor.num_workers=0"], "invalid value for actor.num_workers: 0"),
+        (["actor.strategy=fsdp"], "invalid value for actor.strategy: 'fsdp'"),
+        (
+            ["actor.num_workers=2", "trainer.n_gpus_per_node=8"],
+            "set either actor.num_workers (learner ranks on CPUs) or trainer.nnodes x",
+        ),
+        (["trainer.nnodes=2"], "trainer.nnodes counts GPU nodes: set trainer.n_gpus_per_node"),
     ],
 )
 def test_bad_values_fail_at_load_with_one_message(overrides, message):
@@ -237,3 +244,23 @@ def test_train_help_lists_the_sections(capsys):
     for section in ("data", "rollout", "actor", "algorithm", "trainer", "custom_reward_function"):
         assert f"  {section} " in out
     assert "specrl config" in out
+
+
+def test_learner_ranks_follow_verl_on_gpus_and_actor_num_workers_on_cpus():
+    assert load_config(None, []).learner_ranks == 1
+    assert load_config(None, ["actor.num_workers=3"]).learner_ranks == 3
+    gpus = ["trainer.nnodes=2", "trainer.n_gpus_per_node=4"]
+    assert load_config(None, gpus).learner_ranks == 8
+
+
+def test_nccl_weight_sync_needs_one_learner_rank(monkeypatch):
+    from specrl.distributed.weight_sync import resolve_backend
+    from specrl.errors import UserError
+
+    monkeypatch.setattr("torch.cuda.is_available", lambda: True)
+    workers = ["rollout.name=vllm", "rollout.num_workers=2", "rollout.num_gpus_per_worker=1"]
+    assert resolve_backend(load_config(None, workers)) == "nccl"
+    ranks = [*workers, "trainer.n_gpus_per_node=2"]
+    assert resolve_backend(load_config(None, ranks)) == "object_store"
+    with pytest.raises(UserError, match="one learner rank"):
+        resolve_backend(load_config(None, [*ranks, "rollout.checkpoint_engine.backend=nccl"]))

@@ -41,7 +41,8 @@ class LearnerRank:
         self.cfg = cfg
         self.model_dir, self.initial_dir = model_dir, initial_dir
         self.rank = Rank(index, world)
-        self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        # placed on a GPU, Ray shows the rank only its own: cuda:0
+        self.device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
         self.actor = None
 
     def endpoint(self) -> tuple[str, int]:
