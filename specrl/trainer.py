@@ -74,7 +74,10 @@ class Trainer:
         else:
             self.actor, self.tokenizer = load_actor(cfg, model_dir, initial, log)
         gae = cfg.algorithm.adv_estimator == "gae"
-        self.critic = load_critic(cfg, initial) if gae else None
+        self.critic = None
+        if gae:  # on the learner ranks next to the actor, or in this process
+            grouped = isinstance(self.actor, LearnerGroup)
+            self.critic = self.actor.critic if grouped else load_critic(cfg, initial)
         policy = self.actor.policy
         eos_ids = eos_token_ids(policy, self.tokenizer)
         train, self.val_prompts = load_prompts(cfg.data, self.tokenizer, cfg.trainer.seed, log)

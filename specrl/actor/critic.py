@@ -1,27 +1,41 @@
 """The value model of PPO with GAE (`algorithm.adv_estimator: gae`): values of each response
 token's state, and its clipped value-loss update.
 
-The critic is a Hugging Face token-classification model with one output (verl's choice):
-`critic.model.path`, or by default the policy's initial weights with a fresh scalar head. The
+The critic is a Hugging Face token-classification model with one output and no dropout in its
+head (verl's choices): `critic.model.path`, or by default the policy's initial weights with a
+fresh scalar head. The
 value of response token t is read where the policy reads the logits that predict it: at the
 position before it. Its weights and optimizer state are part of every checkpoint.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
-from transformers import AutoModelForTokenClassification, PreTrainedModel
+from transformers import AutoConfig, AutoModelForTokenClassification, PreTrainedModel
 
 from specrl.actor.batch import TrainBatch
+from specrl.actor.data_parallel import (
+    SINGLE,
+    Rank,
+    balanced_split,
+    full_model_state,
+    full_norm,
+    full_optimizer_state,
+    gradient_sync,
+    load_model_state,
+    load_optimizer_state,
+    micro_batches,
+    wrap,
+)
 from specrl.actor.policy import DTYPES, ModelLoadError
-from specrl.actor.update import adamw_with_warmup
+from specrl.actor.update import MiniBatchSums, UpdateShares, adamw_with_warmup, autocast
 from specrl.algorithms.losses import AggScale, masked_mean, value_loss
-from specrl.config import Config, CriticConfig
+from specrl.config import ActorConfig, Config, CriticConfig
 
 
 @dataclass
@@ -34,6 +48,11 @@ class CriticStats:
 
     def metrics(self) -> dict[str, float]:
         return {f"critic/{k}": v for k, v in vars(self).items()}
+
+    @classmethod
+    def of(cls, ranks: list[UpdateShares]) -> CriticStats:
+        """The update's statistics from every rank's shares (one rank: its own)."""
+        return cls(**UpdateShares.mean(ranks), lr=ranks[0].lr)
 
 
 def token_values(model: PreTrainedModel, batch: TrainBatch) -> torch.Tensor:
@@ -48,8 +67,10 @@ def token_values(model: PreTrainedModel, batch: TrainBatch) -> torch.Tensor:
 
 def load_critic_model(path: str | Path, dtype: str) -> PreTrainedModel:
     try:
+        config = AutoConfig.from_pretrained(path, num_labels=1)
+        config.classifier_dropout = 0.0  # the head's default drops 10%: noisy values
         return AutoModelForTokenClassification.from_pretrained(
-            path, num_labels=1, dtype=DTYPES[dtype]
+            path, config=config, dtype=DTYPES[dtype]
         )
     except Exception as err:  # transformers raises its own for every kind of bad directory
         first_line = str(err).strip().splitlines()[0] if str(err).strip() else ""
@@ -60,75 +81,114 @@ def load_critic_model(path: str | Path, dtype: str) -> PreTrainedModel:
         ) from None
 
 
-def load_critic(cfg: Config, initial_dir: Path) -> Critic:
-    """The run's critic: `critic.model.path`, or the policy's initial weights with a fresh head
-    (a resumed run then loads the checkpoint's critic over it)."""
+def load_critic(
+    cfg: Config, initial_dir: Path, rank: Rank = SINGLE, device: torch.device | str = "cpu"
+) -> Critic:
+    """The run's critic as learner `rank` runs it on `device`: `critic.model.path`, or the
+    policy's initial weights with a fresh head (a resumed run then loads the checkpoint's critic
+    over it)."""
     path = cfg.critic.model.path or initial_dir
-    return Critic(load_critic_model(path, cfg.model.dtype), cfg.critic)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(cfg.trainer.seed)  # a fresh head: the same on every rank, for any K
+        model = load_critic_model(path, cfg.model.dtype).to(device)
+    return Critic(model, cfg.critic, cfg.actor, rank)
 
 
 class Critic:
-    def __init__(self, model: PreTrainedModel, cfg: CriticConfig) -> None:
-        self.model = model.eval()
+    """The value model, its optimizer and schedule, as `rank` of the learner group runs them
+    (with the actor's strategy: `actor.num_workers`, `actor.strategy`, checkpointing, autocast;
+    data_parallel.py)."""
+
+    def __init__(
+        self, model: PreTrainedModel, cfg: CriticConfig, parallel: ActorConfig, rank: Rank = SINGLE
+    ) -> None:
+        self.rank = rank
+        self.model = wrap(model, parallel, rank, train=True).eval()
         self.cfg = cfg
-        self.optimizer, self.scheduler = adamw_with_warmup(model, cfg.optim)
+        self.autocast = parallel.autocast
+        self.optimizer, self.scheduler = adamw_with_warmup(self.model, cfg.optim)
 
     @torch.no_grad()
-    def values(self, batch: TrainBatch) -> torch.Tensor:
-        """Values [B, R] (zero outside the responses), in micro-batches, without gradients."""
-        size = self.cfg.ppo_micro_batch_size
-        parts = [
-            token_values(self.model, batch.rows(torch.arange(i, min(i + size, len(batch)))))
-            for i in range(0, len(batch), size)
-        ]
-        return torch.cat(parts) * batch.response_mask
+    def values(self, batch: TrainBatch, parts: list[torch.Tensor] | None = None) -> torch.Tensor:
+        """Values [b, R] (zero outside the responses), in micro-batches, without gradients, of
+        this rank's part of `batch` (`parts`: every rank's rows; None: all of it, one rank)."""
+        parts = [torch.arange(len(batch))] if parts is None else parts
+        device = next(self.model.parameters()).device
+        out = []
+        for rows, weight in micro_batches(parts, self.rank, self.cfg.ppo_micro_batch_size):
+            part = batch.rows(rows).to(device)
+            with autocast(device, self.autocast):
+                values = token_values(self.model, part) * part.response_mask
+            if weight:
+                out.append(values.float().cpu())
+        return torch.cat(out) if out else torch.zeros(0, batch.response_mask.shape[1])
 
-    def update(self, batch: TrainBatch, group_size: int, seed: int) -> CriticStats:
+    def update_shares(self, batch: TrainBatch, group_size: int, seed: int) -> UpdateShares:
         """`critic.ppo_epochs` passes of mini-batches (`ppo_mini_batch_size` prompts of
-        `group_size` rollouts) over `batch`, whose `values` and `returns` are filled in."""
+        `group_size` rollouts) over `batch`, whose `values` and `returns` are filled in: this
+        rank's token-balanced part of each (all of it with one rank)."""
         generator = torch.Generator().manual_seed(seed)
         mini = self.cfg.ppo_mini_batch_size * group_size
+        tokens = batch.attention_mask.sum(-1)
         per_mini: list[dict[str, float]] = []
+        skipped = 0
         self.model.train()
         for _ in range(self.cfg.ppo_epochs):
             order = torch.randperm(len(batch), generator=generator)
             for start in range(0, len(batch), mini):
-                per_mini.append(self._mini_batch(batch, order[start : start + mini]))
+                rows = order[start : start + mini]
+                parts = balanced_split(rows, tokens, self.rank.world)
+                micros = micro_batches(parts, self.rank, self.cfg.ppo_micro_batch_size)
+                sums = self._mini_batch(batch, micros, AggScale.of(batch.response_mask[rows]))
+                skipped += not math.isfinite(sums["grad_norm"])
+                per_mini.append(sums)
         self.model.eval()
-        mean = {k: float(np.mean([m[k] for m in per_mini])) for k in per_mini[0]}
-        return CriticStats(**mean, lr=self.scheduler.get_last_lr()[0])
+        return UpdateShares(per_mini, skipped, self.scheduler.get_last_lr()[0])
 
-    def _mini_batch(self, batch: TrainBatch, rows: torch.Tensor) -> dict[str, float]:
+    def update(self, batch: TrainBatch, group_size: int, seed: int) -> CriticStats:
+        return CriticStats.of([self.update_shares(batch, group_size, seed)])
+
+    def _mini_batch(
+        self, batch: TrainBatch, micros: list[tuple[torch.Tensor, float]], scale: AggScale
+    ) -> dict[str, float]:
         self.optimizer.zero_grad(set_to_none=True)
-        scale = AggScale.of(batch.response_mask[rows])
-        sums = {"vf_loss": 0.0, "vf_clipfrac": 0.0, "vpred_mean": 0.0}
-        for micro in rows.split(self.cfg.ppo_micro_batch_size):
-            part = batch.rows(micro)
-            vpreds = token_values(self.model, part)
+        sums = MiniBatchSums()
+        device = next(self.model.parameters()).device
+        for i, (micro, weight) in enumerate(micros):
+            part = batch.rows(micro).to(device)
+            with autocast(device, self.autocast):
+                vpreds = token_values(self.model, part)
             out = value_loss(
                 vpreds, part.values, part.returns, part.response_mask, self.cfg.cliprange_value,
                 scale,
             )  # fmt: skip
-            out.loss.backward()
-            sums["vf_loss"] += out.loss.item()
-            sums["vf_clipfrac"] += out.vf_clipfrac.item()
-            sums["vpred_mean"] += out.vpred_mean.item()
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip)
+            with gradient_sync(self.model, enabled=i == len(micros) - 1):
+                (out.loss * (weight * self.rank.world)).backward()  # ranks' gradients averaged
+            sums.add("vf_loss", out.loss, weight)
+            sums.add("vf_clipfrac", out.vf_clipfrac, weight)
+            sums.add("vpred_mean", out.vpred_mean, weight)
+        grad_norm = full_norm(
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip)
+        )
         if torch.isfinite(grad_norm):  # as the actor: a non-finite gradient is not applied
             self.optimizer.step()
             self.scheduler.step()
-        return {**sums, "grad_norm": grad_norm.item()}
+        sums.add("grad_norm", grad_norm)
+        return sums.values
 
     def state_dict(self) -> dict[str, Any]:
+        """Weights and optimizer in full, keyed by parameter names, and the schedule: the same
+        for any number of ranks (every rank calls; with K > 1 only rank 0 gets them)."""
+        world = self.rank.world
         return {
-            "model": self.model.state_dict(),
-            "optimizer": self.optimizer.state_dict(),
+            "model": full_model_state(self.model, world),
+            "optimizer": full_optimizer_state(self.model, self.optimizer, world),
             "scheduler": self.scheduler.state_dict(),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.model.load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
+        load_model_state(self.model, state["model"])
+        load_optimizer_state(self.model, self.optimizer, state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
 
 

@@ -21,6 +21,7 @@ from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
     get_optimizer_state_dict,
+    set_model_state_dict,
     set_optimizer_state_dict,
 )
 from torch.distributed.fsdp import FSDPModule, fully_shard
@@ -70,11 +71,12 @@ def micro_batches(
 
 
 def wrap(model: torch.nn.Module, cfg: ActorConfig, rank: Rank, train: bool) -> torch.nn.Module:
-    """The model as this rank runs it: activation checkpointing (`actor.gradient_checkpointing`)
-    for a model being trained; with K > 1 ranks, DDP (replicas, gradients all-reduced) or FSDP2
-    (`fully_shard` of each transformer block and of the root: parameters, gradients and
-    optimizer state sharded across ranks). A frozen model (the KL reference) is sharded under
-    FSDP2 and left as it is under DDP."""
+    """The model (the policy, the KL reference or the critic) as this rank runs it: activation
+    checkpointing (`actor.gradient_checkpointing`) for a model being trained; with K > 1 ranks,
+    `actor.strategy`: DDP (replicas, gradients all-reduced) or FSDP2 (`fully_shard` of each
+    transformer block and of the root: parameters, gradients and optimizer state sharded across
+    ranks). A frozen model (the KL reference) is sharded under FSDP2 and left as it is under
+    DDP."""
     if train and cfg.gradient_checkpointing:
         model.activation_checkpointing_enable({"use_reentrant": False})
     if rank.world == 1:
@@ -119,6 +121,11 @@ def full_model_state(model: torch.nn.Module, world: int) -> dict[str, torch.Tens
     """The model's full state dict under its own parameter names (every rank calls; with
     K > 1 only rank 0 gets it)."""
     return get_model_state_dict(model, options=_full(world))
+
+
+def load_model_state(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> None:
+    """Load a `full_model_state` (each rank keeps its shard under FSDP2)."""
+    set_model_state_dict(model, state, options=StateDictOptions(full_state_dict=True))
 
 
 def full_optimizer_state(

@@ -54,11 +54,7 @@ class ActorStats:
     @classmethod
     def of(cls, ranks: list[UpdateShares]) -> ActorStats:
         """The update's statistics from every rank's shares (one rank: its own)."""
-        per_mini = [
-            {k: m[0][k] if k == "grad_norm" else sum(r[k] for r in m) for k in m[0]}
-            for m in zip(*(r.mini_batches for r in ranks), strict=True)
-        ]
-        mean = {k: float(np.mean([m[k] for m in per_mini])) for k in per_mini[0]}
+        mean = UpdateShares.mean(ranks)
         return cls(
             pg_loss=mean["pg_loss"],
             pg_clipfrac=mean["pg_clipfrac"],
@@ -82,9 +78,21 @@ class UpdateShares:
     skipped: int
     lr: float
 
+    @staticmethod
+    def mean(ranks: list[UpdateShares]) -> dict[str, float]:
+        """Per mini-batch, the ranks' shares added up (the gradient norm is rank 0's: the same
+        on every rank), then averaged over the mini-batches."""
+        per_mini = [
+            {k: m[0][k] if k == "grad_norm" else sum(r[k] for r in m) for k in m[0]}
+            for m in zip(*(r.mini_batches for r in ranks), strict=True)
+        ]
+        return {k: float(np.mean([m[k] for m in per_mini])) for k in per_mini[0]}
+
 
 @dataclass
-class _MiniBatchSums:
+class MiniBatchSums:
+    """A rank's shares of one mini-batch's loss terms, summed over its micro-batches."""
+
     values: dict[str, float] = field(default_factory=dict)
 
     def add(self, key: str, value: torch.Tensor, weight: float = 1.0) -> None:
@@ -142,12 +150,12 @@ def _mini_batch(
     clip: ClipConfig,
     temperature: float,
     rank: Rank,
-) -> _MiniBatchSums:
+) -> MiniBatchSums:
     """Accumulate the gradient of one mini-batch (whose totals are `scale`) over this rank's
     micro-batches (rows, loss weight), reducing it across ranks in the last backward: → this
     rank's shares of the mini-batch's loss terms."""
     optimizer.zero_grad(set_to_none=True)
-    sums = _MiniBatchSums()
+    sums = MiniBatchSums()
     device = next(model.parameters()).device
     for i, (micro, weight) in enumerate(micros):
         part = batch.rows(micro).to(device)

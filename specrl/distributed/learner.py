@@ -5,10 +5,11 @@ actors, as verl places its FSDP workers (`actor.num_workers`, or `trainer.nnodes
 `LearnerRank` is plain Python (placed as a Ray actor, it imports Ray only to name its node):
 its own copy of the policy (and the KL reference), wrapped for its strategy, and the optimizer
 of its parameters; the update itself is `specrl.actor`'s, on this rank's token-balanced part of
-each mini-batch. `LearnerGroup`, on the trainer's side, stands where the in-process `Actor`
-stands: `logprobs`, `update`, `state_dict` / `load_state_dict`, and `policy`, a CPU copy of the
-weights refreshed after each update (for the in-process engine, weight publishing and
-checkpoints). Checkpoints hold the full optimizer state keyed by parameter names, so a run
+each mini-batch; with `algorithm.adv_estimator=gae` the critic runs next to it the same way.
+`LearnerGroup`, on the trainer's side, stands where the in-process `Actor` stands: `logprobs`,
+`update`, `state_dict` / `load_state_dict`, `critic` (where the in-process `Critic` stands), and
+`policy`, a CPU copy of the weights refreshed after each update (for the in-process engine,
+weight publishing and checkpoints). Checkpoints hold the full optimizer state keyed by parameter names, so a run
 saved with K ranks resumes with any K. A rank that dies stops the run with a message: the
 group's collectives cannot go on without it, and the last checkpoint resumes it.
 """
@@ -23,9 +24,10 @@ import torch
 import torch.distributed as dist
 
 from specrl.actor.batch import TrainBatch
+from specrl.actor.critic import Critic, CriticStats, load_critic
 from specrl.actor.data_parallel import Rank, balanced_split
 from specrl.actor.policy import load_actor, load_policy
-from specrl.actor.update import ActorStats, UpdateShares
+from specrl.actor.update import Actor, ActorStats, UpdateShares
 from specrl.config import Config
 from specrl.distributed.rollout import import_ray, require_cpus, start_ray
 from specrl.errors import UserError
@@ -43,7 +45,8 @@ class LearnerRank:
         self.rank = Rank(index, world)
         # placed on a GPU, Ray shows the rank only its own: cuda:0
         self.device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
-        self.actor = None
+        self.actor: Actor | None = None
+        self.critic: Critic | None = None
 
     def endpoint(self) -> tuple[str, int]:
         """This node's address and a free port on it: the group's rendezvous (rank 0's)."""
@@ -70,6 +73,8 @@ class LearnerRank:
             self.cfg, self.model_dir, self.initial_dir, log=lambda _: None, rank=self.rank,
             device=self.device,
         )[0]  # fmt: skip
+        if self.cfg.algorithm.adv_estimator == "gae":
+            self.critic = load_critic(self.cfg, self.initial_dir, self.rank, self.device)
 
     def logprobs(
         self, batch: TrainBatch, parts: list[torch.Tensor], reference: bool
@@ -87,6 +92,18 @@ class LearnerRank:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.actor.load_state_dict(state)
+
+    def values(self, batch: TrainBatch, parts: list[torch.Tensor]) -> torch.Tensor:
+        return self.critic.values(batch, parts)
+
+    def critic_update(self, batch: TrainBatch, group_size: int, seed: int) -> UpdateShares:
+        return self.critic.update_shares(batch, group_size, seed)
+
+    def critic_state_dict(self) -> dict[str, Any]:
+        return self.critic.state_dict()
+
+    def critic_load_state_dict(self, state: dict[str, Any]) -> None:
+        self.critic.load_state_dict(state)
 
 
 class LearnerGroup:
@@ -106,8 +123,18 @@ class LearnerGroup:
         self.ranks = [remote.remote(cfg, model_dir, initial_dir, i, world) for i in range(world)]
         host, port = self._get(self.ranks[0].endpoint.remote())
         self._get([r.join.remote(host, port) for r in self.ranks])
+        gae = cfg.algorithm.adv_estimator == "gae"
+        self.critic = _CriticOnRanks(self) if gae else None
         strategy = cfg.actor.strategy
         log(f"learner group: {world} ranks ({strategy}, {'nccl' if gpus else 'gloo'})")
+
+    def call(self, method: str, *args) -> list[Any]:
+        """`method(*args)` on every rank (a large argument goes once: pass `put(value)`): →
+        the ranks' results."""
+        return self._get([getattr(r, method).remote(*args) for r in self.ranks])
+
+    def put(self, value: Any) -> Any:
+        return self._ray.put(value)
 
     def _get(self, refs):
         try:
@@ -118,19 +145,20 @@ class LearnerGroup:
                 "it: rerun the same command to resume from the last checkpoint"
             ) from None
 
-    def _parts(self, batch: TrainBatch) -> list[torch.Tensor]:
+    def per_token(self, method: str, batch: TrainBatch, *args) -> torch.Tensor:
+        """A [B, R] quantity (logprobs, values) computed by every rank for its token-balanced
+        part of `batch`, put back in batch order."""
         rows = torch.arange(len(batch))
-        return balanced_split(rows, batch.attention_mask.sum(-1), len(self.ranks))
+        parts = balanced_split(rows, batch.attention_mask.sum(-1), len(self.ranks))
+        outs = self.call(method, self.put(batch), parts, *args)
+        out = torch.zeros(batch.response_mask.shape)
+        for part, values in zip(parts, outs, strict=True):
+            out[part] = values
+        return out
 
     def logprobs(self, batch: TrainBatch, reference: bool = False) -> torch.Tensor:
-        """Response logprobs [B, R] (each rank those of its token-balanced part)."""
-        parts = self._parts(batch)
-        ref = self._ray.put(batch)
-        outs = self._get([r.logprobs.remote(ref, parts, reference) for r in self.ranks])
-        out = torch.zeros(batch.response_mask.shape)
-        for rows, values in zip(parts, outs, strict=True):
-            out[rows] = values
-        return out
+        """Response logprobs [B, R] under the policy (or the reference)."""
+        return self.per_token("logprobs", batch, reference)
 
     def update(self, batch: TrainBatch, group_size: int, seed: int) -> ActorStats:
         """The update on every rank; then the new weights, gathered by rank 0, into `policy`."""
@@ -142,12 +170,32 @@ class LearnerGroup:
         return stats
 
     def state_dict(self) -> dict[str, Any]:
-        return self._get([r.state_dict.remote() for r in self.ranks])[0]
+        return self.call("state_dict")[0]
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        ref = self._ray.put(state)
-        self._get([r.load_state_dict.remote(ref) for r in self.ranks])
+        self.call("load_state_dict", self.put(state))
 
     def shutdown(self) -> None:
         for rank in self.ranks:
             self._ray.kill(rank, no_restart=True)
+
+
+class _CriticOnRanks:
+    """The critic on the learner ranks (next to the actor, with its strategy): stands where the
+    in-process `Critic` stands in the trainer."""
+
+    def __init__(self, group: LearnerGroup) -> None:
+        self.group = group
+
+    def values(self, batch: TrainBatch) -> torch.Tensor:
+        return self.group.per_token("values", batch)
+
+    def update(self, batch: TrainBatch, group_size: int, seed: int) -> CriticStats:
+        group = self.group
+        return CriticStats.of(group.call("critic_update", group.put(batch), group_size, seed))
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.group.call("critic_state_dict")[0]
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.group.call("critic_load_state_dict", self.group.put(state))

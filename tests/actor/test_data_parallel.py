@@ -1,6 +1,6 @@
 """The update on K = 2 learner ranks (gloo, two processes) is the update on one: same weights
 after a step for every loss aggregation, with the global gradient norm clipped, under DDP and
-FSDP2; the optimizer's checkpoint state is the same for any K."""
+FSDP2, for the actor and the critic; the optimizer's checkpoint state is the same for any K."""
 
 from __future__ import annotations
 
@@ -11,8 +11,10 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from transformers import Qwen2ForTokenClassification
 
 from specrl.actor.batch import TrainBatch
+from specrl.actor.critic import Critic, CriticStats
 from specrl.actor.data_parallel import (
     SINGLE,
     Rank,
@@ -23,7 +25,7 @@ from specrl.actor.data_parallel import (
 )
 from specrl.actor.update import Actor, ActorStats, ppo_update
 from specrl.algorithms.losses import ClipConfig
-from specrl.config import ActorConfig
+from specrl.config import ActorConfig, CriticConfig
 from tests.actor.test_update import rollouts
 from tests.conftest import make_tiny_model
 
@@ -87,7 +89,26 @@ def _rank_main(index: int, port: int, strategy: str, out: dict) -> None:
     actor = Actor(copy.deepcopy(model), cfg, ClipConfig(), 1.0, rank=Rank(index, 2))
     actor.update(_batch(), 4, seed=3)
     out[(index, "checkpoint")] = actor.state_dict()
+    out[(index, "critic")] = _critic_update(strategy, Rank(index, 2))
     dist.destroy_process_group()
+
+
+def _critic_update(strategy: str, rank: Rank):
+    """Values before, and weights and shares after, one update (SGD) of a tiny critic as
+    `rank` runs it, with the value clip active on part of the tokens."""
+    torch.manual_seed(0)
+    config = make_tiny_model(seed=0).config
+    config.num_labels, config.classifier_dropout = 1, 0.0  # as load_critic_model
+    cfg = CriticConfig(ppo_mini_batch_size=2, ppo_micro_batch_size=3, cliprange_value=0.05)
+    critic = Critic(Qwen2ForTokenClassification(config), cfg, ActorConfig(strategy=strategy), rank)
+    critic.optimizer = torch.optim.SGD(critic.model.parameters(), lr=1.0)
+    batch = _batch()
+    parts = balanced_split(torch.arange(len(batch)), batch.attention_mask.sum(-1), rank.world)
+    values = critic.values(batch, parts)
+    batch.values = 0.1 * batch.advantages  # the values GAE used (the same on every rank)
+    batch.returns = batch.advantages + 0.1
+    shares = critic.update_shares(batch, 4, seed=0)
+    return values, parts[rank.index], full_model_state(critic.model, rank.world), shares
 
 
 def _free_port() -> int:
@@ -141,3 +162,17 @@ def test_the_optimizer_checkpoint_is_the_same_for_any_number_of_ranks(two_ranks)
     fresh = Actor(copy.deepcopy(model), ActorConfig(), ClipConfig(), 1.0)
     fresh.load_state_dict(two)  # a K = 2 checkpoint loads on one rank
     assert fresh.scheduler.last_epoch == actor.scheduler.last_epoch
+
+
+def test_two_ranks_update_the_critic_as_one(two_ranks):
+    strategy, out = two_ranks
+    values, _, weights, shares = _critic_update(strategy, SINGLE)
+    first, second = out[(0, "critic")], out[(1, "critic")]
+    for ranked_values, rows, *_ in (first, second):
+        torch.testing.assert_close(ranked_values, values[rows], rtol=1e-5, atol=1e-6)
+    for key, value in weights.items():
+        torch.testing.assert_close(first[2][key], value, rtol=1e-4, atol=1e-6)
+    one, two = CriticStats.of([shares]), CriticStats.of([first[3], second[3]])
+    assert 0 < one.vf_clipfrac < 1  # the value clip is active on some tokens only
+    for field in ("vf_loss", "vf_clipfrac", "vpred_mean", "grad_norm"):
+        assert getattr(two, field) == pytest.approx(getattr(one, field), rel=1e-4), field

@@ -1,6 +1,7 @@
-"""The actor on two learner ranks (Ray actors in a gloo group; marker `ray`, skipped where ray is
-not installed): a run trains as on one, resumes with any number of ranks, next to rollout
-workers, and stops with a message when a rank dies or the local Ray is too small."""
+"""The actor (and the critic) on two learner ranks (Ray actors in a gloo group; marker `ray`,
+skipped where ray is not installed): a run trains as on one, resumes with any number of ranks,
+next to rollout workers, and stops with a message when a rank dies or the local Ray is too
+small."""
 
 from __future__ import annotations
 
@@ -54,6 +55,20 @@ def test_two_ranks_train_as_one_and_resume_with_any_number(ray_cluster, tiny_pol
         resumed = _run(tiny_policy_dir, out, f"actor.num_workers={ranks}",
                        f"trainer.resume_mode={checkpoint}")  # fmt: skip
         _assert_same([m for m in two if m["training/global_step"] > 2], resumed)
+
+
+def test_a_critic_on_two_ranks_trains_as_on_one(ray_cluster, tiny_policy_dir, tmp_path):
+    gae = [
+        "algorithm.adv_estimator=gae",
+        "critic.ppo_mini_batch_size=2",
+        "trainer.total_training_steps=3",
+    ]
+    one = _run(tiny_policy_dir, tmp_path / "one", *gae)
+    two = _run(tiny_policy_dir, tmp_path / "two", "actor.num_workers=2", *gae)
+    _assert_same(one, two)
+    for a, b in zip(one[1:], two[1:], strict=True):
+        for key in ("critic/vf_loss", "critic/values/mean", "critic/grad_norm"):
+            assert b[key] == pytest.approx(a[key], rel=1e-3, abs=1e-5), key
 
 
 def test_fsdp2_ranks_next_to_rollout_workers(ray_cluster, tiny_policy_dir, tmp_path):
