@@ -83,9 +83,9 @@ def main() -> None:
             f"trainer.output_dir={out / 'run'}",
             "trainer.logger=[]",
             "trainer.resume_mode=disable",
-            # logical CPUs: part 1's five workers, then part 2's eight workers and ranks all
+            # logical CPUs: part 1's five workers, then part 2's ten workers and ranks all
             # exist; one group runs at a time
-            "ray_kwargs.ray_init.num_cpus=8",
+            "ray_kwargs.ray_init.num_cpus=10",
             # two batches per epoch: from round 2 on every prompt has drafts and a tree
             "data.train_size=64",
         ],
@@ -235,7 +235,7 @@ def step_scaling(
                 "trainer.logger=[]",
                 "trainer.resume_mode=disable",
                 "trainer.num_threads=1",
-                "ray_kwargs.ray_init.num_cpus=8",
+                "ray_kwargs.ray_init.num_cpus=10",
                 f"data.train_size={cfg.data.train_size}",
                 f"rollout.num_workers={n}",
                 f"actor.num_workers={k}",

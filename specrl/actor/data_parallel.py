@@ -91,7 +91,7 @@ def wrap(model: torch.nn.Module, cfg: ActorConfig, rank: Rank, train: bool) -> t
     if not train:
         return model
     device_ids = [model.device.index] if model.device.type == "cuda" else None
-    return DistributedDataParallel(model, device_ids=device_ids, broadcast_buffers=False)
+    return DistributedDataParallel(model, device_ids=device_ids, forward_sync_buffers=False)
 
 
 @contextlib.contextmanager
