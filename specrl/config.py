@@ -277,7 +277,8 @@ class ActorConfig(Section):
         False, description="recompute activations in the backward pass: less memory, more time"
     )
     autocast: Literal["none", "bfloat16"] = Field(
-        "none", description="bfloat16 autocast of the actor's forward passes (for GPUs)"
+        "none",
+        description="bfloat16 autocast of the actor's and critic's forward passes (for GPUs)",
     )
 
 
