@@ -113,7 +113,17 @@ def restore(path: Path, state: dict[str, Any], parts: Mapping[str, Stateful]) ->
             "specrl?); set trainer.resume_mode=disable to start over"
         )
     for name, part in parts.items():
-        part.load_state_dict(state[name])
+        try:
+            part.load_state_dict(state[name])
+        except UserError:
+            raise
+        except Exception as err:  # each part's loader (torch, ours) raises its own
+            first_line = str(err).strip().splitlines()[0] if str(err).strip() else ""
+            raise CheckpointError(
+                f"checkpoint {path}: its {name} state does not fit this run "
+                f"({type(err).__name__}: {first_line}); it was written by another specrl version "
+                "or another config; set trainer.resume_mode=disable to start over"
+            ) from None
     random.setstate(state["rng"]["python"])
     np.random.set_state(state["rng"]["numpy"])
     torch.set_rng_state(state["rng"]["torch"])

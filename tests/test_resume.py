@@ -5,6 +5,7 @@ import sys
 import time
 
 import pytest
+import torch
 
 from specrl.checkpoint import CheckpointError, latest_checkpoint
 from specrl.cli import main
@@ -83,6 +84,17 @@ def test_corrupt_or_missing_checkpoint_gives_one_clear_error(tiny_policy_dir, tm
     assert len(err) == 1 and "trainer.resume_mode=disable" in err[0]
     assert main(["train", *args, f"trainer.resume_mode={tmp_path / 'nope'}"]) == 2
     assert "is not a checkpoint directory" in capsys.readouterr().err
+
+
+def test_a_checkpoint_state_that_does_not_fit_gives_one_clear_error(tiny_policy_dir, tmp_path):
+    """An optimizer state in an older layout (keyed by index, not by parameter name)."""
+    Trainer(small_config(tiny_policy_dir, tmp_path, "trainer.total_training_steps=1")).fit()
+    path = tmp_path / "checkpoints" / "global_step_1" / "trainer_state.pt"
+    state = torch.load(path, weights_only=False)
+    state["actor"]["optimizer"] = {"state": {0: {}}, "param_groups": [{"params": [0]}]}
+    torch.save(state, path)
+    with pytest.raises(CheckpointError, match="its actor state does not fit this run"):
+        Trainer(small_config(tiny_policy_dir, tmp_path))
 
 
 def test_sigkill_during_a_checkpoint_save_leaves_the_last_good_one(tiny_policy_dir, tmp_path):

@@ -140,7 +140,11 @@ def full_optimizer_state(
 def load_optimizer_state(
     model: torch.nn.Module, optimizer: torch.optim.Optimizer, state: dict
 ) -> None:
-    """Load a `full_optimizer_state` (each rank keeps its shard under FSDP2)."""
+    """Load a `full_optimizer_state` (each rank keeps its shard under FSDP2). torch's own layout,
+    keyed by parameter index, would be ignored without a word: it is refused."""
+    keys = [*state["state"], *(p for group in state["param_groups"] for p in group["params"])]
+    if not all(isinstance(k, str) for k in keys):
+        raise ValueError("optimizer state keyed by parameter index, not by parameter name")
     set_optimizer_state_dict(
         model, optimizer, state, options=StateDictOptions(full_state_dict=True)
     )
