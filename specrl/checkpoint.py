@@ -23,7 +23,7 @@ import numpy as np
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from specrl.errors import UserError
+from specrl.errors import UserError, first_line
 
 STATE_FILE = "trainer_state.pt"
 _STEP_DIR = re.compile(r"global_step_(\d+)")
@@ -118,10 +118,9 @@ def restore(path: Path, state: dict[str, Any], parts: Mapping[str, Stateful]) ->
         except UserError:
             raise
         except Exception as err:  # each part's loader (torch, ours) raises its own
-            first_line = str(err).strip().splitlines()[0] if str(err).strip() else ""
             raise CheckpointError(
                 f"checkpoint {path}: its {name} state does not fit this run "
-                f"({type(err).__name__}: {first_line}); it was written by another specrl version "
+                f"({type(err).__name__}: {first_line(err)}); it was written by another specrl version "
                 "or another config; set trainer.resume_mode=disable to start over"
             ) from None
     random.setstate(state["rng"]["python"])

@@ -36,6 +36,7 @@ from specrl.actor.policy import DTYPES, ModelLoadError
 from specrl.actor.update import MiniBatchSums, UpdateShares, adamw_with_warmup, autocast
 from specrl.algorithms.losses import AggScale, masked_mean, value_loss
 from specrl.config import ActorConfig, Config, CriticConfig
+from specrl.errors import first_line
 
 
 @dataclass
@@ -73,10 +74,9 @@ def load_critic_model(path: str | Path, dtype: str) -> PreTrainedModel:
             path, config=config, dtype=DTYPES[dtype]
         )
     except Exception as err:  # transformers raises its own for every kind of bad directory
-        first_line = str(err).strip().splitlines()[0] if str(err).strip() else ""
         raise ModelLoadError(
             f"critic.model.path {str(path)!r} could not be loaded as a value model "
-            f"({type(err).__name__}: {first_line}); point it at a local Hugging Face model "
+            f"({type(err).__name__}: {first_line(err)}); point it at a local Hugging Face model "
             "directory of an architecture with a token-classification head, or leave it unset"
         ) from None
 

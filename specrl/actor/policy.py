@@ -17,7 +17,7 @@ from specrl.actor.data_parallel import SINGLE, Rank
 from specrl.actor.update import Actor
 from specrl.algorithms.losses import ClipConfig
 from specrl.config import Config
-from specrl.errors import UserError
+from specrl.errors import UserError, first_line
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -41,9 +41,8 @@ def load_policy(
         tokenizer = AutoTokenizer.from_pretrained(directory)
         model = AutoModelForCausalLM.from_pretrained(directory, dtype=DTYPES[dtype])
     except Exception as err:  # transformers, safetensors and tokenizers each raise their own
-        first_line = str(err).strip().splitlines()[0] if str(err).strip() else ""
         raise ModelLoadError(
-            f"model.path {str(directory)!r} could not be loaded ({type(err).__name__}: {first_line}); "
+            f"model.path {str(directory)!r} could not be loaded ({type(err).__name__}: {first_line(err)}); "
             "check that its weights and tokenizer files are complete"
         ) from None
     _check_vocabulary(directory, model, tokenizer)
