@@ -1,8 +1,9 @@
 """`specrl bench`: vanilla and speculative training, same config, seed and data, one process.
 
 Arms: vanilla, spec (speculative rollouts as configured: SPEC-RL prefix reuse, with token-tree
-drafts for the decoded tokens where `rollout.spec.tree.enabled` says so, by default on the
-transformers engine), tree (token-tree drafts only) and spec+tree (both, whatever the config);
+drafts for the decoded tokens where `rollout.spec.tree.enabled` says so, by default),
+spec-in-decoding (spec with `rollout.spec.verify_mode=decoding`: stored drafts verified inside
+decoding, exact rule), tree (token-tree drafts only) and spec+tree (both, whatever the config);
 the default is vanilla and spec, `--arms` picks others. `--seeds 1,2,3` trains every arm once per
 seed: one run's final accuracy on a small held-out set moves by a few points from seed to seed.
 
@@ -22,17 +23,18 @@ from typing import Any
 import torch
 import transformers
 
-from specrl.config import Config
+from specrl.config import Config, ConfigError, validated
 from specrl.errors import UserError
 from specrl.plots import plot_metrics
 from specrl.speculative.stats import RolloutStats
 from specrl.trainer import Trainer
 
-ARMS = {  # arm → (SPEC-RL prefix reuse, token-tree drafts; None: as configured)
-    "vanilla": (False, False),
-    "spec": (True, None),
-    "tree": (False, True),
-    "spec+tree": (True, True),
+ARMS = {  # arm → (SPEC-RL prefix reuse, token-tree drafts, verify mode; None: as configured)
+    "vanilla": (False, False, None),
+    "spec": (True, None, None),
+    "spec-in-decoding": (True, None, "decoding"),
+    "tree": (False, True, None),
+    "spec+tree": (True, True, None),
 }
 DEFAULT_ARMS = ("vanilla", "spec")
 BENCH_PANELS = [
@@ -77,21 +79,15 @@ def run_bench(
     """Every arm once per seed (default: the config's `trainer.seed`); with several seeds each
     seed's runs go to DIR/seed<N>/<arm> and bench.json pools them (see `summarize`)."""
     seeds = list(seeds or [cfg.trainer.seed])
+    for arm in arms:  # an arm the config cannot run stops the bench before any training
+        arm_config(cfg, arm, seeds[0], out_dir)
     runs: dict[str, list[list[dict[str, float]]]] = {arm: [] for arm in arms}
     plotted: dict[str, list[dict[str, float]]] = {}
     for seed in seeds:
         seed_dir = out_dir if len(seeds) == 1 else out_dir / f"seed{seed}"
         for arm in arms:
-            arm_cfg = cfg.model_copy(deep=True)
-            arm_cfg.rollout.spec.enabled, tree = ARMS[arm]
-            if tree is not None:
-                arm_cfg.rollout.spec.tree.enabled = tree
-            arm_cfg.trainer.seed = seed
-            arm_cfg.trainer.output_dir = str(seed_dir / arm)
-            arm_cfg.trainer.resume_mode = "disable"  # a benchmark always measures a fresh run
-            arm_cfg.trainer.experiment_name = f"{cfg.trainer.experiment_name}-{arm}"
             log(f"bench: training the {arm} arm (seed {seed}) into {seed_dir / arm}")
-            trainer = Trainer(arm_cfg)
+            trainer = Trainer(arm_config(cfg, arm, seed, seed_dir))
             trainer.fit()
             runs[arm].append(trainer.tracker.history)
             plotted[arm if len(seeds) == 1 else f"{arm} seed {seed}"] = trainer.tracker.history
@@ -101,6 +97,25 @@ def run_bench(
     title = f"specrl bench: {', '.join(arms)} ({cfg.rollout.spec.acceptance} rule)"
     plot_metrics(plotted, [*BENCH_PANELS, TREE_PANEL], out_dir / "bench.png", title)
     return result
+
+
+def arm_config(cfg: Config, arm: str, seed: int, seed_dir: Path) -> Config:
+    """The config of one arm's run: the bench's config with the arm's speculation, seed and
+    output directory."""
+    arm_cfg = cfg.model_copy(deep=True)
+    arm_cfg.rollout.spec.enabled, tree, verify_mode = ARMS[arm]
+    if tree is not None:
+        arm_cfg.rollout.spec.tree.enabled = tree
+    if verify_mode is not None:
+        arm_cfg.rollout.spec.verify_mode = verify_mode
+    arm_cfg.trainer.seed = seed
+    arm_cfg.trainer.output_dir = str(seed_dir / arm)
+    arm_cfg.trainer.resume_mode = "disable"  # a benchmark always measures a fresh run
+    arm_cfg.trainer.experiment_name = f"{cfg.trainer.experiment_name}-{arm}"
+    try:
+        return validated(arm_cfg.model_dump())  # the checks across keys, per arm
+    except ConfigError as err:
+        raise UserError(f"--arms {arm}: {err}") from None
 
 
 def summarize(

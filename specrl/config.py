@@ -90,7 +90,7 @@ class TreeConfig(Section):
     enabled: Literal["auto", True, False] = Field(
         "auto",
         description="token-tree drafts (SRT) for the tokens that still have to be decoded; auto: "
-        "in speculative rollouts, on engines that decode with drafts (hf)",
+        "in speculative rollouts",
     )
     max_draft_tokens: int = Field(
         8, ge=1, description="K: most draft tokens verified per sequence in one decode forward"
@@ -125,21 +125,27 @@ class SpecConfig(Section):
         0.5,
         description="ln l for the specrl rule: -inf reuses nothing, +inf reuses every draft whole",
     )
-    verify_mode: Literal["full", "chunked"] = Field(
+    verify_mode: Literal["full", "chunked", "decoding"] = Field(
         "full",
-        description="full: one pass over every draft; chunked: stop each draft at its first rejection",
+        description="full: one pass over every draft; chunked: stop each draft at its first "
+        "rejection; decoding: the stored draft is the engine's first draft tokens, verified "
+        "inside decoding (exact rule only)",
     )
     verify_chunk_size: int = Field(
         16, ge=1, description="draft tokens per pass in chunked verification"
     )
     tree: TreeConfig = Field(default_factory=TreeConfig)
 
-    def uses_tree(self, engine_drafts: bool) -> bool:
-        """Whether token-tree drafts are in effect on an engine that does (`engine_drafts`) or
-        does not decode with drafts: `auto` uses them for what speculative rollouts decode."""
+    def uses_tree(self) -> bool:
+        """Whether token-tree drafts are in effect: `auto` uses them for what speculative
+        rollouts decode."""
         if self.tree.enabled != "auto":
             return self.tree.enabled
-        return self.enabled and engine_drafts
+        return self.enabled
+
+    def decodes_with_drafts(self) -> bool:
+        """Whether the engine is asked to decode with drafts (token trees or stored drafts)."""
+        return self.uses_tree() or (self.enabled and self.verify_mode == "decoding")
 
 
 class DispatchConfig(Section):
@@ -527,12 +533,19 @@ class Config(Section):
         if self.rollout.enable_sleep_mode and self.rollout.name != "vllm":
             raise ValueError("rollout.enable_sleep_mode needs rollout.name=vllm")
         if self.rollout.run_ahead and not (
-            self.rollout.num_workers and self.rollout.spec.uses_tree(self.rollout.name == "hf")
+            self.rollout.num_workers and self.rollout.spec.uses_tree()
         ):
             raise ValueError(
                 "rollout.run_ahead seeds token trees on rollout workers: it needs "
-                "rollout.num_workers >= 1 and token-tree drafts (rollout.name=hf, "
-                "rollout.spec.tree.enabled auto with speculation on, or true)"
+                "rollout.num_workers >= 1 and token-tree drafts (rollout.spec.tree.enabled "
+                "auto with speculation on, or true)"
+            )
+        spec = self.rollout.spec
+        if spec.verify_mode == "decoding" and spec.acceptance != "exact":
+            raise ValueError(
+                "rollout.spec.verify_mode=decoding verifies drafts inside decoding, with the "
+                "exact rule: set rollout.spec.acceptance=exact (the specrl rule needs the scoring "
+                "pass of full or chunked verification)"
             )
         if self.trainer.n_gpus_per_node and self.actor.num_workers > 1:
             raise ValueError(
@@ -543,11 +556,6 @@ class Config(Section):
             raise ValueError(
                 "trainer.nnodes counts GPU nodes: set trainer.n_gpus_per_node too (on CPUs, "
                 "actor.num_workers sets the learner ranks)"
-            )
-        if self.rollout.spec.tree.enabled is True and self.rollout.name == "vllm":
-            raise ValueError(
-                "rollout.spec.tree.enabled=true needs rollout.name=hf: the vllm engine decodes "
-                "without token-tree drafts (use auto or false)"
             )
         return self
 
@@ -573,6 +581,11 @@ def load_config(path: str | Path | None = None, overrides: Sequence[str] = (), l
     raw: dict[str, Any] = {}
     for key, value in pairs:
         _set_dotted(raw, _unaliased(key, log), value)
+    return validated(raw)
+
+
+def validated(raw: dict[str, Any]) -> Config:
+    """The config of a nested dict of values, or one `ConfigError` naming the problem."""
     try:
         return Config.model_validate(raw)
     except ValidationError as err:

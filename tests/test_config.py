@@ -32,8 +32,8 @@ from specrl.config import ConfigError, load_config
             "invalid value for rollout.spec.tree.enabled: 'maybe' (input should be 'auto', true or false)",
         ),
         (
-            ["rollout.name=vllm", "rollout.spec.tree.enabled=true"],
-            "rollout.spec.tree.enabled=true needs rollout.name=hf",
+            ["rollout.spec.verify_mode=decoding", "rollout.spec.acceptance=specrl"],
+            "rollout.spec.verify_mode=decoding verifies drafts inside decoding, with the exact",
         ),
         (["rollout.n"], "not of the form key=value"),
         (["rollout.run_ahead=true"], "rollout.run_ahead seeds token trees on rollout workers"),
@@ -82,17 +82,20 @@ def test_rollout_is_auto_weighs_sequences_only_under_the_lenient_rule(overrides,
 
 
 @pytest.mark.parametrize(
-    ("overrides", "engine_drafts", "uses"),
+    ("overrides", "uses", "drafts"),
     [
-        (["rollout.spec.enabled=false"], True, False),  # vanilla decodes plainly
+        (["rollout.spec.enabled=false"], False, False),  # vanilla decodes plainly
         ([], True, True),  # the default: speculative, tokens decoded after the cuts
-        ([], False, False),  # an engine that decodes without (vllm)
-        (["rollout.spec.tree.enabled=false"], True, False),
+        (["rollout.spec.tree.enabled=false"], False, False),
+        (["rollout.spec.tree.enabled=false", "rollout.spec.verify_mode=decoding"], False, True),
         (["rollout.spec.enabled=false", "rollout.spec.tree.enabled=true"], True, True),  # alone
+        (["rollout.spec.enabled=false", "rollout.spec.verify_mode=decoding"], False, False),
     ],
 )
-def test_tree_auto_drafts_the_tail_of_speculative_rollouts(overrides, engine_drafts, uses):
-    assert load_config(None, overrides).rollout.spec.uses_tree(engine_drafts) == uses
+def test_tree_auto_drafts_the_tail_of_speculative_rollouts(overrides, uses, drafts):
+    spec = load_config(None, overrides).rollout.spec
+    assert spec.uses_tree() == uses
+    assert spec.decodes_with_drafts() == drafts
 
 
 def test_unknown_section_in_yaml_lists_valid_sections(tmp_path):

@@ -40,6 +40,7 @@ def _vllm_engine(
 ) -> RolloutEngine:
     from specrl.engines.vllm.engine import VLLMEngine
 
+    spec = cfg.rollout.spec
     return VLLMEngine.shared(
         str(model_dir),
         eos_ids,
@@ -49,6 +50,7 @@ def _vllm_engine(
         sleep_mode=cfg.rollout.enable_sleep_mode,
         seed=cfg.trainer.seed,
         weight_transfer=weight_transfer,
+        draft_tokens=spec.tree.max_draft_tokens if spec.decodes_with_drafts() else 0,
     )
 
 

@@ -2,8 +2,9 @@
 
 An engine with `draft_decoding` asks its `Drafter` for up to K draft tokens per sequence before
 each decode forward, feeds them after the sequence's last token and keeps the longest prefix the
-exact rule accepts. Here a `Drafting` is that drafter: a `DraftSource` (today the prompts' token
-trees, `TreeDrafts`) proposes, a `DraftWidth` chooses K (0 included) for every forward.
+exact rule accepts. Here a `Drafting` is that drafter: a `DraftSource` proposes (the prompts'
+token trees, `TreeDrafts`; each slot's stored draft first, then the trees, `StoredDrafts`) and a
+`DraftWidth` chooses K (0 included) for every forward.
 """
 
 from __future__ import annotations
@@ -187,3 +188,31 @@ class TreeDrafts:
     def finished(self, request: int, new_tokens: Sequence[int]) -> None:
         if self.online:
             self.tree.insert(self.prompt_ids[request], self.prefixes[request] + list(new_tokens))
+
+
+class StoredDrafts:
+    """Drafts verified inside decoding (`rollout.spec.verify_mode=decoding`): request i is
+    proposed its stored draft `drafts[i]` (SPEC-RL's previous response of its slot) while its
+    new tokens follow it; once they leave it, or it runs out, `then` proposes (token trees) or
+    nothing does."""
+
+    def __init__(self, drafts: Sequence[np.ndarray | None], then: DraftSource | None) -> None:
+        self.drafts = list(drafts)
+        self.then = then
+        self._matched = [0] * len(self.drafts)  # leading new tokens equal to the draft's
+        self._left = [d is None for d in self.drafts]  # left the draft, or had none
+
+    def propose(self, request: int, new_tokens: Sequence[int], max_tokens: int) -> list[int]:
+        if not self._left[request]:
+            draft, n = self.drafts[request], self._matched[request]
+            while n < len(new_tokens) and n < len(draft) and new_tokens[n] == draft[n]:
+                n += 1
+            self._matched[request] = n
+            if n == len(new_tokens) and n < len(draft):
+                return draft[n : n + max_tokens].tolist()
+            self._left[request] = True
+        return [] if self.then is None else self.then.propose(request, new_tokens, max_tokens)
+
+    def finished(self, request: int, new_tokens: Sequence[int]) -> None:
+        if self.then is not None:
+            self.then.finished(request, new_tokens)

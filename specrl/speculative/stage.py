@@ -38,7 +38,7 @@ from specrl.speculative.acceptance import (
     log_acceptance,
     specrl_behaviour_logprobs,
 )
-from specrl.speculative.drafting import Drafting, DraftWidth, TreeDrafts
+from specrl.speculative.drafting import Drafting, DraftWidth, StoredDrafts, TreeDrafts
 from specrl.speculative.stats import RolloutStats
 from specrl.speculative.store import RolloutStore, StoredRollout
 from specrl.speculative.tree import TokenTree
@@ -117,17 +117,19 @@ class SpeculativeStage:
                 "rollout.spec.acceptance=exact needs an engine that samples from residuals; "
                 "use rollout.spec.acceptance=specrl on this engine"
             )
-        if cfg.tree.enabled is True and not capabilities.draft_decoding:
+        self.in_decoding = cfg.enabled and cfg.verify_mode == "decoding"
+        if (cfg.tree.enabled is True or self.in_decoding) and not capabilities.draft_decoding:
+            wanted = "verify_mode=decoding" if self.in_decoding else "tree.enabled=true"
             raise UserError(
-                "rollout.spec.tree.enabled=true needs an engine that decodes with drafts "
-                "(rollout.name=hf); use auto or false"
+                f"rollout.spec.{wanted} needs an engine that decodes with drafts (hf, or a vllm "
+                "engine built with draft_tokens); use tree.enabled=auto and verify_mode=full"
             )
         self.engine = engine
         self.sampling = sampling
         self.max_response_length = max_response_length
         self.cfg = cfg
         self.store = RolloutStore()
-        uses_tree = cfg.uses_tree(capabilities.draft_decoding)
+        uses_tree = cfg.uses_tree() and capabilities.draft_decoding
         self.tree = TokenTree(cfg.tree.window, cfg.tree.max_nodes) if uses_tree else None
         self.draft_width = DraftWidth(cfg.tree.max_draft_tokens, cfg.tree.adaptive)
 
@@ -140,7 +142,9 @@ class SpeculativeStage:
     ) -> tuple[list[Rollout], RolloutStats]:
         start = time.perf_counter()
         stats = RolloutStats(
-            speculative=self.cfg.enabled, tree=self.tree is not None, lenient=self.lenient
+            speculative=self.cfg.enabled,
+            tree=self.tree is not None or self.in_decoding,
+            lenient=self.lenient,
         )
         slots = [
             _Slot(p, s, rollout_seed(*seed_key, p.prompt_id, s), self._draft(p, s))
@@ -148,16 +152,19 @@ class SpeculativeStage:
             for s in range(n)
         ]
         prefixes = self.engine.new_prefixes() if self.engine.capabilities.prefix_reuse else None
-        self._verify(slots, seed_key, prefixes, stats)
+        if not self.in_decoding:
+            self._verify(slots, seed_key, prefixes, stats)
         requests = {i: r for i, s in enumerate(slots) if (r := self._continuation(s)) is not None}
-        drafting = self._tree_drafting(slots, requests, stats)
+        drafting = self._drafting(slots, requests, stats)
         gen_start = time.perf_counter()
         results = dict(zip(requests, self._generate(requests, drafting, prefixes), strict=True))
         stats.gen_s += time.perf_counter() - gen_start
+        if self.in_decoding:
+            self._cut_in_decoding(slots, results)
         if self.tree is not None:
             if not self.cfg.tree.online:
                 self.tree.insert_all(
-                    (slots[i].prompt.prompt_id, [*requests[i].prefix_ids, *r.token_ids])
+                    (slots[i].prompt.prompt_id, [*slots[i].kept, *r.token_ids])
                     for i, r in results.items()
                 )
             stats.tree_evicted_nodes += self.tree.evict()
@@ -310,13 +317,29 @@ class SpeculativeStage:
             return self.engine.generate(list(requests.values()), prefixes)
         return self.engine.generate_with_drafts(list(requests.values()), drafting, prefixes)
 
-    def _tree_drafting(
+    def _drafting(
         self, slots: list[_Slot], requests: dict[int, GenRequest], stats: RolloutStats
     ) -> Drafting | None:
+        """The engine's drafter for this call: token trees for what is decoded, after each
+        slot's stored draft when drafts are verified inside decoding; None when there is
+        nothing to propose."""
+        trees = self._tree_drafts(slots, requests, stats)
+        if not self.in_decoding:
+            return None if trees is None else Drafting(trees, self.draft_width)
+        R = self.max_response_length
+        drafts = [slots[i].draft for i in requests]
+        if trees is None and all(d is None for d in drafts):
+            return None
+        stored = [None if d is None else d.token_ids[:R] for d in drafts]
+        return Drafting(StoredDrafts(stored, trees), self.draft_width)
+
+    def _tree_drafts(
+        self, slots: list[_Slot], requests: dict[int, GenRequest], stats: RolloutStats
+    ) -> TreeDrafts | None:
         """Start a round for every prompt of the batch (dropping responses outside the window),
-        add the drafts reused whole (they are final already), and give the engine a drafter
-        over the trees: none when every tree the requests would draft from is empty and stays so
-        (prompts rolled out for the first time, without online trees)."""
+        add the drafts reused whole (they are final already), and draft from the trees: none
+        when every tree the requests would draft from is empty and stays so (prompts rolled
+        out for the first time, without online trees)."""
         if self.tree is None:
             return None
         for pid in dict.fromkeys(s.prompt.prompt_id for s in slots):
@@ -327,10 +350,25 @@ class SpeculativeStage:
         prompt_ids = [slots[i].prompt.prompt_id for i in requests]
         if not self.cfg.tree.online and all(self.tree.get(p).nodes == 0 for p in prompt_ids):
             return None
-        source = TreeDrafts(
+        return TreeDrafts(
             self.tree, prompt_ids, [r.prefix_ids for r in requests.values()], self.cfg.tree.online
         )
-        return Drafting(source, self.draft_width)
+
+    def _cut_in_decoding(self, slots: list[_Slot], results: dict[int, GenResult]) -> None:
+        """Drafts verified inside decoding: a slot keeps the longest prefix of its draft that
+        its response starts with (under the exact rule a response leaves its draft exactly
+        where a draft token is rejected), and its result is split there, as if it had been
+        continued from that cut."""
+        R = self.max_response_length
+        for i, r in results.items():
+            s = slots[i]
+            if s.draft is None:
+                continue
+            cut = _common_prefix(r.token_ids, s.draft.token_ids[:R])
+            s.verified = Verified(cut, r.logprobs[:cut])
+            results[i] = dataclasses.replace(
+                r, token_ids=r.token_ids[cut:], logprobs=r.logprobs[cut:]
+            )
 
     # ---------------------------------------------------------------- assemble
     def _assemble(self, s: _Slot, result: GenResult | None, version: int) -> Rollout:
@@ -416,24 +454,29 @@ class SpeculativeStage:
         drafted = [s for s in slots if s.verified is not None]
         stats.drafts += len(drafted)
         stats.draft_age_sum += sum(version - s.draft.policy_version for s in drafted)
-        stats.fully_reused += len(rollouts) - len(results)
+        # reused whole: not decoded, or (verified in decoding) nothing decoded past the draft
+        stats.fully_reused += len(rollouts) - sum(bool(r.token_ids) for r in results.values())
         stats.reused_tokens += sum(s.verified.cut for s in drafted)
         stats.decoded_tokens += sum(len(r.token_ids) for r in results.values())
         stats.response_tokens += sum(len(r.token_ids) for r in rollouts)
         stats.store_entries = len(self.store)
         stats.store_tokens = self.store.num_tokens
         stats.store_bytes = self.store.nbytes
-        if self.tree is not None:
-            for r in results.values():
+        if self.tree is not None or self.in_decoding:
+            for i, r in results.items():
                 stats.tree_forwards += r.forwards
+                stats.tree_output_tokens += len(r.token_ids)
                 stats.tree_draft_tokens += r.draft_tokens
                 stats.tree_accepted_tokens += r.accepted_tokens
+                if self.in_decoding and slots[i].verified is not None:
+                    stats.tree_output_tokens += slots[i].verified.cut  # decoded, then kept
             for k, forwards in self.draft_width.reset_choices().items():
                 stats.tree_width_forwards += forwards
                 stats.tree_width_sum += k * forwards
+            stats.tree_acceptance_estimate = self.draft_width.acceptance
+        if self.tree is not None:
             stats.tree_nodes = self.tree.nodes
             stats.tree_prompts = len(self.tree)
-            stats.tree_acceptance_estimate = self.draft_width.acceptance
 
 
 def _common_prefix(tokens: Sequence[int], draft: np.ndarray) -> int:

@@ -30,7 +30,8 @@ class RolloutStats:
     response_tokens: int = 0
     behaviour_gap_sum: float = 0.0  # Σ |log q − log p| over the tokens of drafted rollouts
     behaviour_gap_tokens: int = 0  # (lenient specrl rule only)
-    tree_forwards: int = 0  # decode forwards summed over sequences (tree drafts)
+    tree_forwards: int = 0  # decode forwards with drafts, summed over sequences
+    tree_output_tokens: int = 0  # tokens those forwards produced
     tree_draft_tokens: int = 0
     tree_accepted_tokens: int = 0
     tree_width_forwards: int = 0  # forwards for which the draft width K was chosen
@@ -48,7 +49,8 @@ class RolloutStats:
     store_tokens: int = field(default=0, metadata=GAUGE)
     store_bytes: int = field(default=0, metadata=GAUGE)
     speculative: bool = field(default=False, metadata=GAUGE)  # drafts reused (rollout.spec)
-    tree: bool = field(default=False, metadata=GAUGE)  # token-tree drafts in use
+    # the engine decoded with drafts: token trees, or stored drafts verified in decoding
+    tree: bool = field(default=False, metadata=GAUGE)
     lenient: bool = field(default=False, metadata=GAUGE)  # the lenient rule decided tokens
     tree_nodes: int = field(default=0, metadata=GAUGE)
     tree_prompts: int = field(default=0, metadata=GAUGE)
@@ -110,7 +112,7 @@ class RolloutStats:
             )
         if self.tree:
             # tokens a sequence gains per decode forward: accepted draft tokens + the one sampled
-            out["spec/tree/mean_accepted_per_forward"] = self.decoded_tokens / max(
+            out["spec/tree/mean_accepted_per_forward"] = self.tree_output_tokens / max(
                 self.tree_forwards, 1
             )
             out["spec/tree/acceptance_rate"] = self.tree_accepted_tokens / max(
@@ -186,6 +188,7 @@ METRIC_NAMES = {
     "behaviour_gap_sum": "spec/behaviour_gap_sum",
     "behaviour_gap_tokens": "spec/behaviour_gap_tokens",
     "tree_forwards": "spec/tree/forwards",
+    "tree_output_tokens": "spec/tree/output_tokens",
     "tree_draft_tokens": "spec/tree/draft_tokens",
     "tree_accepted_tokens": "spec/tree/accepted_tokens",
     "tree_width_forwards": "spec/tree/width_forwards",

@@ -5,6 +5,7 @@ import pytest
 
 from specrl.bench import ARMS, parse_arms, parse_seeds, run_bench
 from specrl.cli import main
+from specrl.config import load_config
 from specrl.errors import UserError
 from tests.conftest import png_panels, read_metrics, small_config
 
@@ -17,7 +18,8 @@ def test_bench_trains_every_arm_and_writes_json_and_plot(tiny_policy_dir, tmp_pa
         "trainer.save_freq=0", "trainer.test_freq=2", "rollout.spec.tree.adaptive=false",
         "rollout.spec.tree.online=true", "rollout.spec.acceptance=specrl",
     )  # fmt: skip
-    result = run_bench(cfg, tmp_path / "bench", tuple(ARMS), log=lambda _: None)
+    arms = tuple(a for a in ARMS if a != "spec-in-decoding")  # the exact rule's (test_stage.py)
+    result = run_bench(cfg, tmp_path / "bench", arms, log=lambda _: None)
     on_disk = json.loads((tmp_path / "bench" / "bench.json").read_text())
     assert on_disk == result
     assert png_panels(tmp_path / "bench" / "bench.png") == 3  # four panels and the tree panel
@@ -32,8 +34,8 @@ def test_bench_trains_every_arm_and_writes_json_and_plot(tiny_policy_dir, tmp_pa
     assert result["reused_token_ratio"] > 0
     assert result["final_acc_vanilla"] is not None and result["final_acc_spec"] is not None
     assert result["decoded_tokens"]["spec"] < result["decoded_tokens"]["vanilla"]
+    assert set(result["arms"]) == set(arms)
     arms = result["arms"]
-    assert set(arms) == set(ARMS)
     assert arms["spec"]["rollout_speedup"] == result["rollout_speedup"]
     # the spec arm is speculative rollouts as configured: by default its tail has tree drafts
     for arm in ("spec", "tree", "spec+tree"):
@@ -53,12 +55,17 @@ def test_bench_trains_every_arm_and_writes_json_and_plot(tiny_policy_dir, tmp_pa
     assert all(m.get("spec/reused_tokens", 0) == 0 for m in vanilla)
 
 
-def test_arms_are_checked(capsys):
+def test_arms_are_checked(capsys, tmp_path):
     assert parse_arms("vanilla, tree,tree") == ("vanilla", "tree")
     with pytest.raises(UserError, match="unknown: fast"):
         parse_arms("vanilla,fast")
     assert main(["bench", "--arms", "spec,tree"]) == 2
-    assert "give vanilla and at least one of spec, tree, spec+tree" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "give vanilla and at least one of spec, spec-in-decoding, tree, spec+tree" in err
+    lenient = load_config(None, ["rollout.spec.acceptance=specrl"])
+    with pytest.raises(UserError, match=r"--arms spec-in-decoding: invalid config: rollout\.spec"):
+        run_bench(lenient, tmp_path, ("vanilla", "spec", "spec-in-decoding"))  # before training
+    assert not any(tmp_path.iterdir())
     assert parse_seeds("1, 2,1") == [1, 2] and parse_seeds(None) is None
     assert main(["bench", "--seeds", "1,x"]) == 2
     assert "--seeds '1,x': give comma-separated non-negative integers" in capsys.readouterr().err

@@ -5,7 +5,7 @@ import torch
 from scipy.stats import chisquare
 
 from specrl.config import SpecConfig, TreeConfig
-from specrl.engines import Capabilities, LogprobRequest, SamplingParams
+from specrl.engines import GREEDY, Capabilities, LogprobRequest, SamplingParams
 from specrl.engines.hf import HFEngine
 from specrl.errors import UserError
 from specrl.speculative.stage import SpeculativeStage, sample_rollouts
@@ -197,6 +197,12 @@ def test_a_rule_the_engine_cannot_serve_is_refused_at_construction(engine):
         SpeculativeStage(
             PlainEngine(), SAMPLING, R, SpecConfig(enabled=False, tree=TreeConfig(enabled=True))
         )
+
+    class ResidualEngine(PlainEngine):  # the exact rule's residual, but no draft decoding
+        capabilities = Capabilities(residual_sampling=True)
+
+    with pytest.raises(UserError, match=r"rollout\.spec\.verify_mode=decoding needs an engine"):
+        SpeculativeStage(ResidualEngine(), SAMPLING, R, SpecConfig(verify_mode="decoding"))
     lenient, stats = SpeculativeStage(PlainEngine(), SAMPLING, R, SpecConfig(acceptance="specrl"))(
         PROMPTS, 2, ("s", 1), 1
     )
@@ -213,3 +219,45 @@ def test_drift_metrics_say_how_old_drafts_are_and_how_far_the_policy_moved(engin
     _, moved = rollout(PROMPTS, 2, ("s", 3), 8)
     assert moved.ratios()["spec/draft_age_steps"] == 1
     assert moved.ratios()["spec/draft_logprob_drift"] > 0.1
+
+
+@pytest.mark.parametrize("tree", [False, True], ids=["stored", "stored+tree"])
+def test_drafts_verified_inside_decoding_keep_the_target_distribution(tree):
+    """verify_mode=decoding: each slot's stored draft (another policy's sample) is the engine's
+    first draft tokens, verified in decoding forwards, then token trees (of more of those
+    samples) propose. 20k slots distributed as the current policy's own samples."""
+    vocab, max_len, n = 5, 3, 20_000
+    prompt = Prompt((2, 3), Example("p", "", "test"))
+    target, drafter = target_and_drafter(vocab, n)
+    cfg = SpecConfig(
+        enabled=True,
+        acceptance="exact",
+        verify_mode="decoding",
+        tree=TreeConfig(enabled=tree, adaptive=False),
+    )
+    spec = SpeculativeStage(target, SAMPLING, max_len, cfg)
+    for r in sample_rollouts(drafter, [prompt], n, SAMPLING, max_len, ("draft",), 0):
+        spec.store.put(r)
+    if tree:
+        spec.tree.begin(prompt.prompt_id)
+        for r in sample_rollouts(drafter, [prompt], 64, SAMPLING, max_len, ("tree",), 0):
+            spec.tree.insert(prompt.prompt_id, r.token_ids)
+    rollouts, stats = spec([prompt], n, ("spec",), 1)
+    assert 0 < stats.reused_tokens < stats.response_tokens
+    assert 0 < stats.tree_accepted_tokens < stats.tree_draft_tokens
+    assert stats.verified_tokens == 0  # no scoring pass
+    assert distribution_pvalue(target, prompt, rollouts, vocab, max_len) > 1e-3
+
+
+def test_greedy_drafts_verified_inside_decoding_are_kept_whole(engine):
+    """Greedy, same policy: every stored draft is the response again, kept whole by decoding
+    forwards that accept several draft tokens each; rollouts equal plain greedy decoding."""
+    no_tree = TreeConfig(enabled=False, adaptive=False)  # every stored draft token proposed
+    cfg = SpecConfig(enabled=True, acceptance="exact", verify_mode="decoding", tree=no_tree)
+    spec = SpeculativeStage(engine, GREEDY, R, cfg)
+    spec(PROMPTS, 2, ("s", 1), 1)
+    rollouts, stats = spec(PROMPTS, 2, ("s", 2), 2)
+    assert tokens(rollouts) == tokens(sample_rollouts(engine, PROMPTS, 2, GREEDY, R, ("v",), 2))
+    assert stats.reused_tokens == stats.response_tokens
+    assert stats.fully_reused == stats.rollouts and stats.decoded_tokens == 0
+    assert stats.tree_forwards < stats.response_tokens  # several tokens per forward

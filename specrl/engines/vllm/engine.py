@@ -12,7 +12,11 @@ vllm.
 - prefix caching is vLLM's own (automatic prefix caching): decoding from prompt + draft[:k]
   reuses the KV that verifying prompt + draft computed, without a handle (the engine does not
   declare `prefix_reuse`). It is reset after every weight sync.
-- capabilities: residual sampling (`allowed_token_ids`) and sleep; no draft decoding yet.
+- capabilities: residual sampling (`allowed_token_ids`) and sleep; draft decoding when built
+  with `draft_tokens` > 0: vLLM's speculative decoding with specrl's proposer (proposer.py),
+  whose point-mass drafts vLLM's rejection sampler verifies with the exact rule.
+- requests are driven through vLLM's `LLMEngine` (add_request / step), so every request's id
+  is the engine's own and a finished request reaches the drafter while the rest decode.
 - weights: through vLLM's RL weight-update API (`LLM.init_weight_transfer_engine`,
   `start_weight_update`, `update_weights`, `finish_weight_update`) with a transfer backend
   registered in vLLM's `WeightTransferEngineFactory` (weights.py).
@@ -31,6 +35,7 @@ import torch
 
 from specrl.engines.protocol import (
     Capabilities,
+    Drafter,
     GenRequest,
     GenResult,
     LogprobRequest,
@@ -39,6 +44,8 @@ from specrl.engines.protocol import (
     distinct_requests,
 )
 from specrl.engines.sampling import RowSampling, sampling_logprobs
+from specrl.engines.vllm import cpu_kernels
+from specrl.engines.vllm.proposer import DraftSession, Proposer, attach
 from specrl.errors import UserError
 
 
@@ -71,7 +78,6 @@ class VLLMEngine:
     own weights)."""
 
     _shared: ClassVar[dict[tuple, VLLMEngine]] = {}
-    capabilities = Capabilities(residual_sampling=True, sleep=True)
 
     @classmethod
     def shared(cls, path: str | Path, eos_token_ids: Sequence[int], **kwargs: Any) -> VLLMEngine:
@@ -90,10 +96,13 @@ class VLLMEngine:
         sleep_mode: bool = False,
         seed: int = 0,
         weight_transfer: str = "local",
+        draft_tokens: int = 0,
     ) -> None:
         """`weight_transfer`: local (`load_weights` hands this process's tensors over) or nccl
         (a rollout worker on a GPU: the trainer broadcasts through vLLM's NCCL engine, driven
-        from outside with the `llm`'s weight-update calls)."""
+        from outside with the `llm`'s weight-update calls). `draft_tokens` > 0: vLLM decodes
+        with speculative decoding through specrl's proposer, verifying up to that many draft
+        tokens per request and step (`generate_with_drafts`)."""
         vllm = _import_vllm()
         from specrl.engines.vllm.weights import BACKEND
 
@@ -104,6 +113,13 @@ class VLLMEngine:
         # discards a sample fails there ("CPU Generator does not use offset"). On CPU every
         # prefill runs whole.
         whole_prefills = {"enable_chunked_prefill": False} if _on_cpu(vllm) else {}
+        drafts = {}
+        if draft_tokens > 0:
+            drafts["speculative_config"] = {
+                "method": "custom_class",
+                "model": f"{Proposer.__module__}.{Proposer.__name__}",
+                "num_speculative_tokens": draft_tokens,
+            }
         self.llm = vllm.LLM(
             model=str(path),
             skip_tokenizer_init=True,
@@ -117,9 +133,18 @@ class VLLMEngine:
             enable_sleep_mode=sleep_mode,
             weight_transfer_config={"backend": BACKEND if weight_transfer == "local" else "nccl"},
             **whole_prefills,
+            **drafts,
         )
         if weight_transfer == "local":
             self.llm.init_weight_transfer_engine({"init_info": {}})
+        if _on_cpu(vllm):
+            cpu_kernels.register()
+        self.capabilities = Capabilities(
+            draft_decoding=draft_tokens > 0, residual_sampling=True, sleep=True
+        )
+        self.proposer: Proposer | None = (
+            self.llm.collective_rpc(attach)[0] if draft_tokens > 0 else None
+        )
         self.vocab_size = self.llm.llm_engine.model_config.get_vocab_size()
 
     # ---------------------------------------------------------------- generate
@@ -127,6 +152,20 @@ class VLLMEngine:
         self, requests: Sequence[GenRequest], prefixes: Prefixes | None = None
     ) -> list[GenResult]:
         _no_prefixes(prefixes)
+        return self._generate(requests, None)
+
+    def generate_with_drafts(
+        self, requests: Sequence[GenRequest], drafter: Drafter, prefixes: Prefixes | None = None
+    ) -> list[GenResult]:
+        """`generate`, with up to `drafter.max_tokens` (at most the engine's `draft_tokens`)
+        draft tokens per request and step from `drafter`, verified by vLLM's rejection
+        sampler."""
+        _no_prefixes(prefixes)
+        if not self.capabilities.draft_decoding:
+            raise TypeError("this vllm engine was built without draft_tokens: no draft decoding")
+        return self._generate(requests, drafter)
+
+    def _generate(self, requests: Sequence[GenRequest], drafter: Drafter | None) -> list[GenResult]:
         results = [GenResult([], [], "length") for _ in requests]
         first = [
             i
@@ -140,11 +179,19 @@ class VLLMEngine:
             for i, r in enumerate(requests)
             if results[i].finish_reason != "stop" and r.max_new_tokens > len(results[i].token_ids)
         ]
+        contexts = [list(requests[i].prompt_ids) + list(requests[i].prefix_ids) for i in todo]
+        session = None
+        if drafter is not None:
+            session = DraftSession(
+                drafter,
+                self.proposer.max_tokens,
+                [
+                    (i, len(c), requests[i].max_new_tokens)
+                    for i, c in zip(todo, contexts, strict=True)
+                ],
+            )
         outputs = self._run(
-            [
-                list(requests[i].prompt_ids) + list(requests[i].prefix_ids) + results[i].token_ids
-                for i in todo
-            ],
+            [c + results[i].token_ids for i, c in zip(todo, contexts, strict=True)],
             [
                 self._params(
                     requests[i].sampling,
@@ -153,13 +200,17 @@ class VLLMEngine:
                 )
                 for i in todo
             ],
+            session,
         )
-        for i, out in zip(todo, outputs, strict=True):
+        for number, (i, out) in enumerate(zip(todo, outputs, strict=True)):
             completion = out.outputs[0]
             results[i].token_ids.extend(completion.token_ids)
             results[i].logprobs.extend(_sampled_logprobs(completion.token_ids, completion.logprobs))
             results[i].finish_reason = "stop" if completion.finish_reason == "stop" else "length"
-            results[i].forwards += len(completion.token_ids)
+            if session is None:
+                results[i].forwards += len(completion.token_ids)
+            else:
+                session.count(number, results[i])
         return results
 
     def _residual_first_tokens(
@@ -202,11 +253,36 @@ class VLLMEngine:
             **extra,
         )
 
-    def _run(self, contexts: list[list[int]], params: list) -> list:
-        if not contexts:
-            return []
-        prompts = [self._vllm.inputs.TokensPrompt(prompt_token_ids=c) for c in contexts]
-        return self.llm.generate(prompts, params, use_tqdm=False)
+    def _run(
+        self, contexts: list[list[int]], params: list, session: DraftSession | None = None
+    ) -> list:
+        """vLLM's outputs for these requests, in order. With `session`, the proposer drafts for
+        them while they decode, and each finished request is handed to the drafter at once (an
+        online tree learns from it for the requests still running)."""
+        engine = self.llm.llm_engine
+        index: dict[str, int] = {}
+        for i, (context, p) in enumerate(zip(contexts, params, strict=True)):
+            p.output_kind = self._vllm.sampling_params.RequestOutputKind.FINAL_ONLY
+            prompt = self._vllm.inputs.TokensPrompt(prompt_token_ids=context)
+            vllm_id = engine.add_request(f"specrl-{i}", prompt, p)
+            index[vllm_id] = index[f"specrl-{i}"] = i
+            if session is not None:
+                session.add(vllm_id, i)
+        outputs: list = [None] * len(contexts)
+        if session is not None:
+            self.proposer.session = session
+        try:
+            while engine.has_unfinished_requests():
+                for out in engine.step():
+                    if out.finished:
+                        i = index[out.request_id]
+                        outputs[i] = out
+                        if session is not None:
+                            session.finished(i, [*out.prompt_token_ids, *out.outputs[0].token_ids])
+        finally:
+            if session is not None:
+                self.proposer.session = None
+        return outputs
 
     # ---------------------------------------------------------------- logprobs
     def logprobs(
