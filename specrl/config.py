@@ -125,11 +125,12 @@ class SpecConfig(Section):
         0.5,
         description="ln l for the specrl rule: -inf reuses nothing, +inf reuses every draft whole",
     )
-    verify_mode: Literal["full", "chunked", "decoding"] = Field(
-        "full",
+    verify_mode: Literal["auto", "full", "chunked", "decoding"] = Field(
+        "auto",
         description="full: one pass over every draft; chunked: stop each draft at its first "
         "rejection; decoding: the stored draft is the engine's first draft tokens, verified "
-        "inside decoding (exact rule only)",
+        "inside decoding (exact rule only); auto: decoding on rollout.name=vllm under the exact "
+        "rule (measured faster there), else full",
     )
     verify_chunk_size: int = Field(
         16, ge=1, description="draft tokens per pass in chunked verification"
@@ -510,6 +511,14 @@ class Config(Section):
         if self.trainer.n_gpus_per_node:
             return self.trainer.nnodes * self.trainer.n_gpus_per_node
         return self.actor.num_workers
+
+    @model_validator(mode="after")
+    def _resolve_verify_mode(self) -> Config:
+        spec = self.rollout.spec
+        if spec.verify_mode == "auto":
+            on_vllm = self.rollout.name == "vllm" and spec.acceptance == "exact"
+            spec.verify_mode = "decoding" if on_vllm else "full"
+        return self
 
     @model_validator(mode="after")
     def _check_batch_sizes(self) -> Config:

@@ -267,3 +267,16 @@ def test_nccl_weight_sync_needs_one_learner_rank(monkeypatch):
     assert resolve_backend(load_config(None, ranks)) == "object_store"
     with pytest.raises(UserError, match="one learner rank"):
         resolve_backend(load_config(None, [*ranks, "rollout.checkpoint_engine.backend=nccl"]))
+
+
+@pytest.mark.parametrize(
+    ("overrides", "mode"),
+    [
+        ([], "full"),  # transformers engine
+        (["rollout.name=vllm"], "decoding"),  # exact rule on vLLM: drafts verified in decoding
+        (["rollout.name=vllm", "rollout.spec.acceptance=specrl"], "full"),  # needs p_old/p_new
+        (["rollout.name=vllm", "rollout.spec.verify_mode=chunked"], "chunked"),  # as asked
+    ],
+)
+def test_verify_mode_auto_verifies_inside_decoding_on_vllm_under_the_exact_rule(overrides, mode):
+    assert load_config(None, overrides).rollout.spec.verify_mode == mode
