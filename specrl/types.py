@@ -4,11 +4,14 @@ specrl, so every module can use it."""
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any, Literal
 
-FinishReason = Literal["stop", "length"]
+# stop / length: how a response (or an episode's last turn) ended; max_turns / env_error: how an
+# episode ended (episodes/)
+FinishReason = Literal["stop", "length", "max_turns", "env_error"]
 
 
 @dataclass(frozen=True)
@@ -23,15 +26,25 @@ class Example:
     columns: dict[str, Any] = field(default_factory=dict, compare=False, hash=False)
 
 
+def token_digest(ids: Sequence[int]) -> str:
+    """A stable hash of token ids."""
+    return hashlib.blake2b(",".join(map(str, ids)).encode(), digest_size=8).hexdigest()
+
+
 @dataclass(frozen=True)
 class Prompt:
+    """Token ids to roll out from. `key` replaces the hash of the ids as the prompt id where the
+    ids are not what identifies the prompt: a turn of an episode is keyed by its episode's prompt
+    id and turn number (its context holds the earlier turns, which change every epoch)."""
+
     ids: tuple[int, ...]
     example: Example
+    key: str | None = None
 
     @cached_property
     def prompt_id(self) -> str:
         """Stable key: a hash of the token ids (not the dataset position, not the step)."""
-        return hashlib.blake2b(",".join(map(str, self.ids)).encode(), digest_size=8).hexdigest()
+        return self.key if self.key is not None else token_digest(self.ids)
 
 
 @dataclass(frozen=True)
@@ -44,6 +57,10 @@ class Rollout:
     `behaviour_logprobs`: log-probability of each token under the distribution it was actually
     sampled from, where that is not the current policy (the lenient specrl rule, see
     speculative/acceptance.py); None when the tokens were sampled from the current policy.
+    `loss_mask`: 1 for each sampled token, 0 for each token an environment wrote (an episode's
+    observations, whose logprobs are 0.0 placeholders); None when every token was sampled.
+    `reward`: an episode's environment rewards, summed (its score); None for single responses,
+    which the reward function scores.
     """
 
     prompt: Prompt
@@ -53,3 +70,5 @@ class Rollout:
     finish_reason: FinishReason
     policy_version: int
     behaviour_logprobs: list[float] | None = None
+    loss_mask: list[int] | None = None
+    reward: float | None = None

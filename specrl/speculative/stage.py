@@ -4,7 +4,9 @@
 and the draft-width statistics. Every call runs drafts → verify → cut → continue → assemble →
 store (DESIGN.md); with speculation off, or for a prompt seen for the first time, it is plain
 sampling through the same code path. It returns ordinary rollouts and a `RolloutStats` of
-counts. Its state is saved whole (`state_dict`) or per prompt (`export` / `import_`: a prompt's
+counts. A call takes prompts and a number of slots (`__call__`), or single slots with their own
+token budgets and with or without their stored drafts (`rollout`: the turns of episodes). Its
+state is saved whole (`state_dict`) or per prompt (`export` / `import_`: a prompt's
 drafts and tree, what moves with a prompt between workers that own shards of prompts).
 `sample_rollouts` is plain sampling without a stage (evaluation).
 """
@@ -88,6 +90,17 @@ class Verified:
         return self.scored[: self.cut]
 
 
+@dataclass(frozen=True)
+class SlotRequest:
+    """One slot to roll out: at most `max_tokens` tokens, from its stored draft when `use_draft`
+    (and speculation is on)."""
+
+    prompt: Prompt
+    slot: int
+    max_tokens: int
+    use_draft: bool = True
+
+
 @dataclass
 class _Slot:
     """One slot of a call as it moves through the stage."""
@@ -95,6 +108,7 @@ class _Slot:
     prompt: Prompt
     slot: int
     seed: int
+    budget: int  # most tokens of its rollout
     draft: StoredRollout | None = None
     verified: Verified | None = None
 
@@ -140,6 +154,15 @@ class SpeculativeStage:
     def __call__(
         self, prompts: Sequence[Prompt], n: int, seed_key: tuple, policy_version: int
     ) -> tuple[list[Rollout], RolloutStats]:
+        """n rollouts per prompt (prompt-major), of up to max_response_length tokens."""
+        R = self.max_response_length
+        requests = [SlotRequest(p, s, R) for p in prompts for s in range(n)]
+        return self.rollout(requests, seed_key, policy_version)
+
+    def rollout(
+        self, requests: Sequence[SlotRequest], seed_key: tuple, policy_version: int
+    ) -> tuple[list[Rollout], RolloutStats]:
+        """One rollout per request, in order."""
         start = time.perf_counter()
         stats = RolloutStats(
             speculative=self.cfg.enabled,
@@ -147,9 +170,14 @@ class SpeculativeStage:
             lenient=self.lenient,
         )
         slots = [
-            _Slot(p, s, rollout_seed(*seed_key, p.prompt_id, s), self._draft(p, s))
-            for p in prompts
-            for s in range(n)
+            _Slot(
+                q.prompt,
+                q.slot,
+                rollout_seed(*seed_key, q.prompt.prompt_id, q.slot),
+                q.max_tokens,
+                self._draft(q.prompt, q.slot) if q.use_draft else None,
+            )
+            for q in requests
         ]
         prefixes = self.engine.new_prefixes() if self.engine.capabilities.prefix_reuse else None
         if not self.in_decoding:
@@ -239,12 +267,14 @@ class SpeculativeStage:
         draft token in one pass; `chunked` scores verify_chunk_size tokens per pass and drops each
         draft from later passes at its first rejection."""
         started = time.perf_counter()
-        R = self.max_response_length
-        chunk = self.cfg.verify_chunk_size if self.cfg.verify_mode == "chunked" else R
-        scored: dict[int, list[float]] = {}  # current logprobs of each draft's verified tokens
         active = [
-            (i, s.draft.token_ids[:R].tolist()) for i, s in enumerate(slots) if s.draft is not None
+            (i, s.draft.token_ids[: s.budget].tolist())
+            for i, s in enumerate(slots)
+            if s.draft is not None
         ]
+        whole = max((len(target) for _, target in active), default=0)
+        chunk = self.cfg.verify_chunk_size if self.cfg.verify_mode == "chunked" else whole
+        scored: dict[int, list[float]] = {}  # current logprobs of each draft's verified tokens
         offset = 0
         while active:
             requests = [
@@ -295,7 +325,7 @@ class SpeculativeStage:
     # ---------------------------------------------------------------- decoding
     def _continuation(self, s: _Slot) -> GenRequest | None:
         """What is left to decode for a slot, or None when its draft is reused whole."""
-        R = self.max_response_length
+        R = s.budget
         if s.verified is None:
             return GenRequest(s.prompt.ids, R, self.sampling, s.seed)
         cut = s.verified.cut
@@ -326,11 +356,10 @@ class SpeculativeStage:
         trees = self._tree_drafts(slots, requests, stats)
         if not self.in_decoding:
             return None if trees is None else Drafting(trees, self.draft_width)
-        R = self.max_response_length
-        drafts = [slots[i].draft for i in requests]
-        if trees is None and all(d is None for d in drafts):
+        drafts = [(slots[i].draft, slots[i].budget) for i in requests]
+        if trees is None and all(d is None for d, _ in drafts):
             return None
-        stored = [None if d is None else d.token_ids[:R] for d in drafts]
+        stored = [None if d is None else d.token_ids[:budget] for d, budget in drafts]
         return Drafting(StoredDrafts(stored, trees), self.draft_width)
 
     def _tree_drafts(
@@ -359,12 +388,11 @@ class SpeculativeStage:
         its response starts with (under the exact rule a response leaves its draft exactly
         where a draft token is rejected), and its result is split there, as if it had been
         continued from that cut."""
-        R = self.max_response_length
         for i, r in results.items():
             s = slots[i]
             if s.draft is None:
                 continue
-            cut = _common_prefix(r.token_ids, s.draft.token_ids[:R])
+            cut = _common_prefix(r.token_ids, s.draft.token_ids[: s.budget])
             s.verified = Verified(cut, r.logprobs[:cut])
             results[i] = dataclasses.replace(
                 r, token_ids=r.token_ids[cut:], logprobs=r.logprobs[cut:]
