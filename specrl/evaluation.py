@@ -1,4 +1,5 @@
-"""Held-out evaluation: greedy accuracy of the current policy (`val/acc/mean@1`, as verl)."""
+"""Held-out evaluation: greedy accuracy of the current policy (`val/acc/mean@1`, as verl); in
+multi-turn runs, of greedy episodes (`val/num_turns/mean` too)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import numpy as np
 from transformers import PreTrainedTokenizerBase
 
 from specrl.engines import GREEDY, RolloutEngine
+from specrl.episodes.runner import EpisodeLoop, sampled_turns
 from specrl.rewards import RewardFunction, score_rollouts
 from specrl.speculative.stage import sample_rollouts
 from specrl.types import Prompt, Rollout
@@ -22,19 +24,31 @@ def evaluate(
     batch_size: int,
     max_response_length: int,
     policy_version: int,
+    episodes: EpisodeLoop | None = None,
 ) -> dict[str, float]:
-    """One greedy response per held-out prompt, scored by the reward function."""
+    """One greedy response (or episode, with `episodes`) per held-out prompt, scored by the
+    reward function (by the environment)."""
     start = time.perf_counter()
     rollouts: list[Rollout] = []
+    turns = 0
     for i in range(0, len(prompts), batch_size):
         batch = prompts[i : i + batch_size]
-        rollouts += sample_rollouts(
-            engine, batch, 1, GREEDY, max_response_length, ("val",), policy_version
-        )
+        if episodes is None:
+            rollouts += sample_rollouts(
+                engine, batch, 1, GREEDY, max_response_length, ("val",), policy_version
+            )
+            continue
+        turn = sampled_turns(engine, GREEDY, ("val",), policy_version)
+        played, stats = episodes.run(batch, 1, turn, policy_version)
+        rollouts += played
+        turns += stats.turns
     scores = score_rollouts(reward_fn, tokenizer, rollouts)
-    return {
+    metrics = {
         "val/acc/mean@1": float(np.mean(scores.acc)),
         "val/response_length/mean": float(np.mean([len(r.token_ids) for r in rollouts])),
         "val/reward_errors": scores.errors,
         "timing_s/testing": time.perf_counter() - start,
     }
+    if episodes is not None:
+        metrics["val/num_turns/mean"] = turns / len(rollouts)
+    return metrics

@@ -18,9 +18,14 @@ import torch
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 
+from specrl.config import MultiTurnConfig
 from specrl.data import arithmetic
 from specrl.engines import GREEDY, GenRequest
 from specrl.engines.hf import HFEngine
+from specrl.episodes.env import load_environment
+from specrl.episodes.runner import EpisodeLoop, sampled_turns
+from specrl.speculative.stage import sample_rollouts
+from specrl.types import Prompt
 
 SPECIAL_TOKENS = ["<pad>", "<eos>", "<unk>"]
 
@@ -126,7 +131,9 @@ def build_toy_policy(out: Path, spec: ToyPolicySpec, log=print) -> dict:
 def _supervised_warm_start(
     model: Qwen2ForCausalLM, tokenizer: PreTrainedTokenizerFast, spec: ToyPolicySpec, log
 ) -> None:
-    """Next-token loss on response tokens of imperfect traces for random training problems."""
+    """Next-token loss on the sampled tokens of imperfect traces for random training problems:
+    the response, or each turn of an episode (up to its end of turn), not the calculator's
+    observations between them."""
     rng = random.Random(f"toy-policy-sft-{spec.seed}")
     task = spec.definition
     _, held_out = arithmetic.make_split(0, 0, 1000, task.min_digits, task.max_digits)
@@ -142,11 +149,15 @@ def _supervised_warm_start(
             problem = arithmetic.sample_problem(rng, task.min_digits, task.max_digits)
             if problem in held_out_set:
                 continue
-            prompt = tokenizer.encode(problem.prompt)
-            response = tokenizer.encode(arithmetic.solution_trace(problem, rng, task.teacher))
-            response.append(tokenizer.eos_token_id)
-            sequences.append(prompt + response)
-            masks.append([0] * len(prompt) + [1] * len(response))
+            ids = tokenizer.encode(problem.prompt)
+            mask = [0] * len(ids)
+            for turn, observation in arithmetic.solution_turns(problem, rng, task.teacher):
+                sampled = [*tokenizer.encode(turn), tokenizer.eos_token_id]
+                forced = tokenizer.encode(observation) if observation else []
+                ids += sampled + forced
+                mask += [1] * len(sampled) + [0] * len(forced)
+            sequences.append(ids)
+            masks.append(mask)
         width = max(map(len, sequences))
         ids = torch.tensor(
             [s + [tokenizer.pad_token_id] * (width - len(s)) for s in sequences]
@@ -175,19 +186,29 @@ def evaluate_toy_policy(
     spec: ToyPolicySpec,
     size: int = 200,
 ) -> dict:
-    """Greedy accuracy and response length on held-out problems, and how varied samples are."""
+    """Greedy accuracy and response length on held-out problems (of greedy episodes on a
+    multi-turn task, with their mean number of turns), and how varied samples are."""
     engine = HFEngine(model, [tokenizer.eos_token_id], tokenizer.pad_token_id)
     task = spec.definition
     _, held_out = arithmetic.make_split(0, 0, size, task.min_digits, task.max_digits)
-    prompts = [tokenizer.encode(p.prompt) for p in held_out]
-    greedy = engine.generate([GenRequest(p, 80, GREEDY) for p in prompts])
-    texts = [tokenizer.decode(r.token_ids, skip_special_tokens=True) for r in greedy]
-    sampled = engine.generate([GenRequest(prompts[0], 80, seed=s) for s in range(16)])
-    return {
-        "val_acc": sum(
+    prompts = [Prompt(tuple(tokenizer.encode(p.prompt)), p.example()) for p in held_out]
+    report = {}
+    if spec.task in arithmetic.MULTI_TURN_TASKS:
+        calculator = load_environment(None, "", timeout_s=10.0)
+        loop = EpisodeLoop(calculator, tokenizer, MultiTurnConfig().max_turns, 80)
+        greedy, stats = loop.run(prompts, 1, sampled_turns(engine, GREEDY, ("toy",), 0), 0)
+        scores = [r.reward for r in greedy]
+        report["mean_turns"] = stats.turns / size
+    else:
+        greedy = sample_rollouts(engine, prompts, 1, GREEDY, 80, ("toy",), 0)
+        texts = [tokenizer.decode(r.token_ids, skip_special_tokens=True) for r in greedy]
+        scores = [
             arithmetic.compute_score("", t, p.answer) for t, p in zip(texts, held_out, strict=True)
-        )
-        / size,
+        ]
+    sampled = engine.generate([GenRequest(prompts[0].ids, 80, seed=s) for s in range(16)])
+    return {
+        "val_acc": sum(scores) / size,
         "mean_response_length": sum(len(r.token_ids) for r in greedy) / size,
+        **report,
         "distinct_samples_of_16": len({tuple(r.token_ids) for r in sampled}),
     }

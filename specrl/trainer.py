@@ -25,13 +25,14 @@ from specrl.distributed.learner import LearnerGroup
 from specrl.distributed.rollout import RolloutWorkers
 from specrl.engines import SamplingParams
 from specrl.engines.build import build_engine, logprobs_are_the_trainers
+from specrl.episodes.env import load_environment
+from specrl.episodes.runner import EpisodeLoop, EpisodeStage
 from specrl.errors import UserError
 from specrl.evaluation import evaluate
 from specrl.metrics import data_metrics, logprob_mismatch, timed
 from specrl.rewards import RewardFunctionError, Scores, load_reward_functions, score_rollouts
 from specrl.run_dir import RunInterrupted, StopSignals, open_run_dir
 from specrl.speculative.stage import SpeculativeStage
-from specrl.speculative.stats import RolloutStats
 from specrl.toy_policy import ToyPolicySpec, ensure_toy_policy
 from specrl.tracking import Tracker
 from specrl.types import Rollout
@@ -90,6 +91,7 @@ class Trainer:
         sampling = SamplingParams(cfg.rollout.temperature, cfg.rollout.top_p, cfg.rollout.top_k)
         pad_id = self.tokenizer.pad_token_id
         self.workers: RolloutWorkers | None = None
+        self.episodes: EpisodeLoop | None = None
         if cfg.rollout.num_workers:  # the workers are both the engine and the stage
             self.workers = RolloutWorkers(cfg, model_dir, eos_ids, pad_id, sampling, log)
             self.engine, self.stage = self.workers, self.workers
@@ -98,6 +100,16 @@ class Trainer:
             self.stage = SpeculativeStage(
                 self.engine, sampling, cfg.data.max_response_length, cfg.rollout.spec
             )
+        if cfg.episodes:  # each rollout an episode, its turns rolled out by the stage
+            self.episodes = EpisodeLoop(
+                load_environment(cfg.env.path, cfg.env.name, cfg.env.timeout_s),
+                self.tokenizer,
+                cfg.rollout.multi_turn.max_turns,
+                cfg.data.max_response_length,
+                cfg.env.max_error_ratio,
+                self.tracker.warn,
+            )
+            self.stage = EpisodeStage(self.stage, self.episodes)
         self.rollout_logprobs_are_old_logprobs = logprobs_are_the_trainers(cfg, sampling)
         self.global_step = 0
         self.bad_steps = 0  # consecutive steps with skipped (non-finite) updates
@@ -246,13 +258,13 @@ class Trainer:
         filtering = cfg.algorithm.filter_groups
         kept: list[Rollout] = []
         kept_scores = Scores([], [], [])
-        stats = RolloutStats()
+        stats = None  # RolloutStats, or EpisodeStats in multi-turn runs: they add up
         for gen_batch in range(filtering.max_num_gen_batches if filtering.enable else 1):
             seed_key = (cfg.trainer.seed, self.global_step, gen_batch)
             rollouts, batch_stats = self.stage(
                 self.loader.next_batch(), n, seed_key, self.global_step
             )
-            stats = stats + batch_stats
+            stats = batch_stats if stats is None else stats + batch_stats
             with timed(metrics, "reward"):
                 scores = self.score(rollouts)
             signal = scores.acc if filtering.metric == "acc" else scores.scores
@@ -350,4 +362,5 @@ class Trainer:
             self.cfg.data.val_batch_size,
             self.cfg.data.max_response_length,
             self.global_step,
+            self.episodes,
         )

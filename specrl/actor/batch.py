@@ -15,7 +15,9 @@ from specrl.types import Rollout
 @dataclass
 class TrainBatch:
     """Rollouts as tensors: prompts left-padded to width P, responses right-padded to width R.
-    The per-token training inputs (old logprobs, advantages, ...) are added by the trainer."""
+    `response_mask` is 1 on the tokens trained on: the sampled ones (an episode's observations
+    are context only, `Rollout.loss_mask`). The per-token training inputs (old logprobs,
+    advantages, ...) are added by the trainer."""
 
     input_ids: torch.Tensor  # [B, P + R]
     attention_mask: torch.Tensor  # [B, P + R]
@@ -43,7 +45,11 @@ class TrainBatch:
             )
             attention[row, width_p - p : width_p + len(r.token_ids)] = 1
         positions = (attention.cumsum(-1) - 1).clamp(min=0)
-        return cls(ids, attention, positions, attention[:, width_p:].clone(), width_p)
+        response_mask = attention[:, width_p:].clone()
+        for row, r in enumerate(rollouts):
+            if r.loss_mask is not None:
+                response_mask[row, : len(r.loss_mask)] = torch.tensor(r.loss_mask)
+        return cls(ids, attention, positions, response_mask, width_p)
 
     def __len__(self) -> int:
         return self.input_ids.shape[0]

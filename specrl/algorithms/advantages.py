@@ -90,12 +90,14 @@ def masked_whiten(values: torch.Tensor, mask: torch.Tensor, eps: float = 1e-8) -
 
 
 def discounted_returns(rewards: torch.Tensor, mask: torch.Tensor, gamma: float) -> torch.Tensor:
-    """G_t = r_t + γ G_{t+1} over each response's tokens, [B, T] → [B, T]."""
+    """G_t = r_t + γ G_{t+1} over each response's tokens, [B, T] → [B, T]: the sum runs over
+    the masked tokens only (an episode's observations are skipped, not a new start), and is 0
+    outside the mask."""
     returns = torch.zeros_like(rewards)
     running = torch.zeros_like(rewards[:, 0])
     for t in reversed(range(rewards.shape[1])):
-        running = (rewards[:, t] + gamma * running) * mask[:, t]
-        returns[:, t] = running
+        running = torch.where(mask[:, t].bool(), rewards[:, t] + gamma * running, running)
+        returns[:, t] = running * mask[:, t]
     return returns
 
 

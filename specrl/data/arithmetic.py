@@ -15,6 +15,10 @@ learn. Two tasks (`TASKS`, `data.task`):
   (digit, digit, carry) wrong, each with its own probability between 0.5 and 0.95 and its own
   wrong sum. A greedy policy gets every such fact wrong; RL has to flip them one by one, the
   rarely and the confidently wrong ones last, so held-out accuracy keeps rising over the run.
+- `calculator` (multi-turn, episodes/calculator.py): the noisy-facts teacher, who also calls a
+  calculator for a quarter of the columns: it writes `x+y+c=` and ends its turn, and the
+  calculator's observation is the true sum `s;`. A policy that called it for every column would
+  never get a fact wrong; RL can learn that, or the facts themselves.
 """
 
 from __future__ import annotations
@@ -60,12 +64,14 @@ class Teacher:
     """How warm-start traces go wrong. `p_forget_carry`: an incoming carry is dropped with this
     probability. `noisy_facts`: this fraction of the column facts (x, y, carry) are written with
     a wrong sum (the true one ± 1, fixed per fact) with a probability drawn per fact, uniform in
-    `p_wrong`; which facts, how often and how, are fixed by `seed`."""
+    `p_wrong`; which facts, how often and how, are fixed by `seed`. `p_call`: the probability
+    of calling the calculator for a column instead of writing its sum."""
 
     p_forget_carry: float = 0.0
     noisy_facts: float = 0.0
     p_wrong: tuple[float, float] = (0.5, 0.95)
     seed: int = 0
+    p_call: float = 0.0
 
     @cached_property
     def fact_errors(self) -> dict[tuple[int, int, int], tuple[float, int]]:
@@ -93,15 +99,29 @@ class Task:
 TASKS = {
     "addition": Task(2, 6, Teacher(p_forget_carry=0.6)),
     "noisy_facts": Task(2, 6, Teacher(noisy_facts=0.2)),
+    "calculator": Task(2, 6, Teacher(noisy_facts=0.2, p_call=0.25)),
 }
+MULTI_TURN_TASKS = ("calculator",)  # episodes with the calculator environment
 
 
 def solution_trace(
     problem: Problem, rng: random.Random | None = None, teacher: Teacher | None = None
 ) -> str:
-    """The scratchpad and answer: correct, or as `teacher` writes it (with `rng`)."""
+    """The scratchpad and answer: correct, or as `teacher` writes it (with `rng`); the
+    calculator's answers written in."""
+    return "".join(
+        turn + observation for turn, observation in solution_turns(problem, rng, teacher)
+    )
+
+
+def solution_turns(
+    problem: Problem, rng: random.Random | None = None, teacher: Teacher | None = None
+) -> list[tuple[str, str]]:
+    """The scratchpad and answer as (turn, observation) pairs: a turn that calls the calculator
+    ends with `x+y+c=` and its observation is the true sum `s;`; the last turn ends with the
+    answer, and its observation is empty."""
     a_digits, b_digits = str(problem.a)[::-1], str(problem.b)[::-1]
-    carry, columns, digits = 0, [], []
+    carry, turns, text, digits = 0, [], "", []
     errs = teacher is not None and rng is not None
     for i in range(max(len(a_digits), len(b_digits))):
         x = int(a_digits[i]) if i < len(a_digits) else 0
@@ -109,16 +129,22 @@ def solution_trace(
         if errs and carry and rng.random() < teacher.p_forget_carry:
             carry = 0
         total = x + y + carry
-        if errs and (x, y, carry) in teacher.fact_errors:
-            p, wrong = teacher.fact_errors[(x, y, carry)]
-            if rng.random() < p:
-                total = wrong
-        columns.append(f"{x}+{y}+{carry}={total}")
+        text += f"{x}+{y}+{carry}="
+        if errs and teacher.p_call and rng.random() < teacher.p_call:
+            turns.append((text, f"{total};"))
+            text = ""
+        else:
+            if errs and (x, y, carry) in teacher.fact_errors:
+                p, wrong = teacher.fact_errors[(x, y, carry)]
+                if rng.random() < p:
+                    total = wrong
+            text += f"{total};"
         digits.append(total % 10)
         carry = total // 10
     if carry:
         digits.append(carry)
-    return ";".join(columns) + ";#" + "".join(str(d) for d in reversed(digits))
+    turns.append((text + "#" + "".join(str(d) for d in reversed(digits)), ""))
+    return turns
 
 
 def extract_answer(solution: str) -> str | None:

@@ -16,14 +16,12 @@ A call that raises, runs past `reward_model.timeout_s`, or returns None / NaN is
 
 from __future__ import annotations
 
-import importlib.util
 import inspect
 import math
 import queue
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Literal
 
 import torch
@@ -35,6 +33,7 @@ from specrl.data import arithmetic, prompt_text
 from specrl.errors import UserError
 from specrl.rewards import math_answer
 from specrl.types import Example, Rollout
+from specrl.user_code import load_from_file
 
 BUILTIN_SCORERS: dict[str, Callable[..., float]] = {
     arithmetic.DATA_SOURCE: arithmetic.compute_score
@@ -185,14 +184,18 @@ def score_rollouts(
     overlong: OverlongBufferConfig | None = None,
     max_response_length: int = 0,
 ) -> Scores:
-    """Decode every response and run the reward function on the batch; with `overlong` enabled,
-    add DAPO's soft overlong penalty to the scores trained on."""
+    """Decode every response and run the reward function on the batch (episodes come scored by
+    their environment: `Rollout.reward`); with `overlong` enabled, add DAPO's soft overlong
+    penalty to the scores trained on."""
     texts = [tokenizer.decode(r.token_ids, skip_special_tokens=True) for r in rollouts]
-    out = reward_fn(
-        texts,
-        [r.prompt.example for r in rollouts],
-        [prompt_text(r.prompt.example, tokenizer) for r in rollouts],
-    )
+    if all(r.reward is not None for r in rollouts):
+        out = RewardOutputs([r.reward for r in rollouts])
+    else:
+        out = reward_fn(
+            texts,
+            [r.prompt.example for r in rollouts],
+            [prompt_text(r.prompt.example, tokenizer) for r in rollouts],
+        )
     scores = out.scores
     if overlong is not None and overlong.enable:
         lengths = torch.tensor([len(r.token_ids) for r in rollouts])
@@ -214,18 +217,7 @@ def builtin_compute_score(
 def load_reward_function(path: str | None, name: str, timeout_s: float) -> RewardFunction:
     if path is None:
         return RewardFunction(builtin_compute_score, "verl", timeout_s, "builtin")
-    file = Path(path)
-    if not file.is_file():
-        raise RewardFunctionError(f"custom_reward_function.path {path!r} does not exist")
-    spec = importlib.util.spec_from_file_location(f"specrl_user_reward_{file.stem}", file)
-    module = importlib.util.module_from_spec(spec)
-    try:
-        spec.loader.exec_module(module)
-    except Exception as err:
-        raise RewardFunctionError(
-            f"custom_reward_function.path {path!r} failed to import: {err!r}"
-        ) from None
-    fn = getattr(module, name, None)
+    fn = load_from_file(path, name, "custom_reward_function", "function", RewardFunctionError)
     if not callable(fn):
         raise RewardFunctionError(
             f"{path!r} has no function {name!r} (set custom_reward_function.name)"

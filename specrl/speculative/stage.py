@@ -54,28 +54,6 @@ def rollout_seed(*key: object) -> int:
     return int.from_bytes(digest, "little") >> 1
 
 
-def sample_rollouts(
-    engine: RolloutEngine,
-    prompts: Sequence[Prompt],
-    n: int,
-    sampling: SamplingParams,
-    max_response_length: int,
-    seed_key: tuple,
-    policy_version: int,
-) -> list[Rollout]:
-    """Plain sampling → len(prompts) * n rollouts, prompt-major (a prompt's slots contiguous)."""
-    slots = [(p, s) for p in prompts for s in range(n)]
-    requests = [
-        GenRequest(p.ids, max_response_length, sampling, rollout_seed(*seed_key, p.prompt_id, s))
-        for p, s in slots
-    ]
-    results = engine.generate(requests)
-    return [
-        Rollout(p, s, r.token_ids, r.logprobs, r.finish_reason, policy_version)
-        for (p, s), r in zip(slots, results, strict=True)
-    ]
-
-
 @dataclass
 class Verified:
     """Outcome of verifying one draft: the cut index and the current logprobs of the draft tokens
@@ -99,6 +77,44 @@ class SlotRequest:
     slot: int
     max_tokens: int
     use_draft: bool = True
+
+
+def sample_rollouts(
+    engine: RolloutEngine,
+    prompts: Sequence[Prompt],
+    n: int,
+    sampling: SamplingParams,
+    max_response_length: int,
+    seed_key: tuple,
+    policy_version: int,
+) -> list[Rollout]:
+    """Plain sampling → len(prompts) * n rollouts, prompt-major (a prompt's slots contiguous)."""
+    slots = [SlotRequest(p, s, max_response_length) for p in prompts for s in range(n)]
+    return sample_slots(engine, slots, sampling, seed_key, policy_version)
+
+
+def sample_slots(
+    engine: RolloutEngine,
+    slots: Sequence[SlotRequest],
+    sampling: SamplingParams,
+    seed_key: tuple,
+    policy_version: int,
+) -> list[Rollout]:
+    """Plain sampling of single slots (no drafts) → one rollout per slot, in order."""
+    requests = [
+        GenRequest(
+            q.prompt.ids,
+            q.max_tokens,
+            sampling,
+            rollout_seed(*seed_key, q.prompt.prompt_id, q.slot),
+        )
+        for q in slots
+    ]
+    results = engine.generate(requests)
+    return [
+        Rollout(q.prompt, q.slot, r.token_ids, r.logprobs, r.finish_reason, policy_version)
+        for q, r in zip(slots, results, strict=True)
+    ]
 
 
 @dataclass
