@@ -1,6 +1,6 @@
 """The embedded default end to end: build the tiny policy from scratch, then the whole default
-run with the CLI, in-process and on two Ray rollout workers. Slow (about 8 minutes on 2 cores
-each); CI runs them."""
+run with the CLI, in-process and on two Ray rollout workers; the multi-turn calculator task
+likewise. Slow (about 8 minutes on 2 cores each); CI runs them."""
 
 import json
 import os
@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from specrl.toy_policy import ensure_toy_policy
+from specrl.toy_policy import ToyPolicySpec, ensure_toy_policy
 
 
 @pytest.fixture(scope="module")
@@ -90,3 +90,21 @@ def test_the_default_run_with_a_critic(tmp_path, fresh_cache):
     assert curve[max(curve)] - curve[0] >= 0.20, curve
     metrics = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert all("critic/vf_loss" in m for m in metrics if m["training/global_step"] > 0)
+
+
+@pytest.mark.slow
+def test_the_multi_turn_calculator_task_keeps_learning(tmp_path, fresh_cache, monkeypatch):
+    """data.task=calculator: its own warm start, then the default run on episodes (speculative,
+    exact rule): held-out success rises by 20 points; training episodes call the calculator."""
+    cache, _ = fresh_cache
+    monkeypatch.setenv("SPECRL_CACHE", str(cache))
+    path = ensure_toy_policy(ToyPolicySpec(task="calculator"), log=lambda _: None)
+    report = json.loads((path / "build.json").read_text())
+    assert 0.05 <= report["val_acc"] <= 0.50 and report["mean_turns"] >= 1.0
+    run = tmp_path / "run"
+    curve = train_curve(run, cache, "data.task=calculator")
+    assert curve[max(curve)] - curve[0] >= 0.20, curve
+    metrics = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    steps = [m for m in metrics if m["training/global_step"] > 0 and "num_turns/mean" in m]
+    assert len(steps) == 128 and sum(m["num_turns/mean"] for m in steps) / 128 > 1.2
+    assert sum(m["spec/turn_1/reused_tokens"] for m in steps[64:]) > 0  # drafts after turn 0

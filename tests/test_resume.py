@@ -29,16 +29,37 @@ def comparable(metrics):
     ]
 
 
+ENV = """
+class Environment:
+    def reset(self, row):
+        self.turns = 0
+
+    def step(self, response):
+        self.turns += 1
+        if self.turns == 2:
+            return "", response.count("1") / 4, True
+        return "7;", 0.0, False
+"""
+
+
 @pytest.mark.parametrize(
     "extra",
-    [[], ["algorithm.adv_estimator=gae", "algorithm.lam=0.95", "critic.ppo_mini_batch_size=2"]],
+    [
+        [],
+        ["algorithm.adv_estimator=gae", "algorithm.lam=0.95", "critic.ppo_mini_batch_size=2"],
+        ["env.path={env}", "data.max_response_length=16"],
+    ],
+    ids=["grpo", "gae", "episodes"],
 )
 def test_resume_at_an_epoch_boundary_with_speculation_matches_the_straight_run(
     tiny_policy_dir, tmp_path, extra
 ):
     # 8 prompts, 4 per step: step 2 ends epoch 0, steps 3-4 reuse drafts from the restored store;
-    # with gae the critic's weights and optimizer are restored too
-    spec = [*SPEC, *extra]
+    # with gae the critic's weights and optimizer are restored too; with episodes, the record of
+    # their observations
+    env = tmp_path / "env.py"
+    env.write_text(ENV)
+    spec = [*SPEC, *(x.format(env=env) for x in extra)]
     straight = tmp_path / "straight"
     Trainer(small_config(tiny_policy_dir, straight, *spec, "trainer.total_training_steps=4")).fit()
     split = tmp_path / "split"
@@ -48,9 +69,13 @@ def test_resume_at_an_epoch_boundary_with_speculation_matches_the_straight_run(
     resumed.fit()
     a, b = comparable(read_metrics(straight)), comparable(read_metrics(split))
     assert [m["training/global_step"] for m in b] == [0, 1, 2, 3, 4]
-    assert b[3]["spec/draft_ratio"] == 1 and b[3]["training/epoch"] == 1
+    assert b[3]["training/epoch"] == 1
+    if "env.path" in " ".join(extra):  # a turn is a draft where the stored episode reached it
+        assert b[3]["spec/draft_ratio"] > 0 and b[3]["spec/turn_1/response_tokens"] > 0
+    else:
+        assert b[3]["spec/draft_ratio"] == 1
     assert b[3]["spec/tree/nodes"] > 0  # restored trees: equal node counts below
-    if extra:
+    if "gae" in " ".join(extra):
         assert "critic/vf_loss" in b[3] and "critic/vf_explained_var" in b[3]
     for x, y in zip(a, b, strict=True):
         assert x.keys() == y.keys()
