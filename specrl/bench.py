@@ -156,6 +156,7 @@ def summarize(
             summary["tree_acceptance_rate"] = ratios["spec/tree/acceptance_rate"]
             summary["tree_mean_width"] = ratios["spec/tree/mean_width"]
             summary["tree_nodes_max"] = max(m.get("spec/tree/nodes", 0) for m in steps[arm])
+        summary.update(_episodes(steps[arm]))
         result["arms"][arm] = summary
     result.update(
         steps=len(steps["vanilla"]) // len(seeds),
@@ -209,6 +210,29 @@ def _spec_rl(
         "step_time_s": {"vanilla": step_time["vanilla"], "spec": step_time["spec"]},
         "decoded_tokens": {"vanilla": vanilla.decoded_tokens, "spec": spec.decoded_tokens},
     }
+
+
+def _episodes(steps: list[dict[str, float]]) -> dict[str, Any]:
+    """Multi-turn runs: turns per episode, the environment's seconds (inside the rollout time)
+    and, in speculative arms, the reused token ratio of each turn."""
+    if not any("num_turns/mean" in m for m in steps):
+        return {}
+    out: dict[str, Any] = {
+        "num_turns_mean": _total(steps, "num_turns/mean") / len(steps),
+        "env_time_s": _total(steps, "timing_s/env"),
+    }
+    suffix = "/response_tokens"
+    turns = sorted(
+        {int(k.split("/")[1].removeprefix("turn_")) for m in steps for k in m
+         if k.startswith("spec/turn_") and k.endswith(suffix)}
+    )  # fmt: skip
+    if turns:
+        out["reused_token_ratio_per_turn"] = {
+            t: _total(steps, f"spec/turn_{t}/reused_tokens")
+            / max(_total(steps, f"spec/turn_{t}{suffix}"), 1.0)
+            for t in turns
+        }
+    return out
 
 
 def _train_steps(history: list[dict[str, float]]) -> list[dict[str, float]]:

@@ -83,3 +83,18 @@ def test_bad_environment_config_is_one_line_from_the_cli(tiny_policy_dir, tmp_pa
     assert len(err.splitlines()) == 1 and "env.path" in err and "does not exist" in err
     assert main(["train", *base, "data.task=calculator", "rollout.num_workers=2"]) != 0
     assert "rollout.num_workers=0" in capsys.readouterr().err
+
+
+def test_bench_reports_turns_and_reuse_per_turn(tiny_policy_dir, tmp_path, env_file):
+    from specrl.bench import run_bench
+
+    cfg = small_config(
+        tiny_policy_dir, tmp_path / "unused", f"env.path={env_file}", "data.max_response_length=16",
+        "data.train_size=4", "trainer.total_training_steps=3", "trainer.save_freq=0",
+    )  # fmt: skip
+    result = run_bench(cfg, tmp_path / "bench", ("vanilla", "spec"), log=lambda _: None)
+    vanilla, spec = result["arms"]["vanilla"], result["arms"]["spec"]
+    assert "reused_token_ratio_per_turn" not in vanilla and vanilla["num_turns_mean"] > 1.0
+    per_turn = spec["reused_token_ratio_per_turn"]
+    assert set(per_turn) == {0, 1} and per_turn[0] > 0  # steps 2 and 3 repeat the prompts
+    assert 0 < vanilla["env_time_s"] < vanilla["rollout_time_s"]
