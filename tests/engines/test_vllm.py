@@ -264,3 +264,39 @@ def test_drafts_inside_vllm_keep_the_target_distribution_and_the_test_has_power(
         assert pvalue > 1e-3
     else:
         assert pvalue < 1e-6
+
+
+@pytest.mark.parametrize("engine_name", ["vllm_engine", "drafting_engine"])
+def test_episodes_on_vllm_equal_episodes_on_the_transformers_engine(engine_name, request):
+    """Greedy three-turn episodes (observations that depend on the turns) rolled out on vLLM
+    by the episode stage, with its scoring pass or with the stored turns verified inside
+    decoding, are the transformers engine's token for token; the second time every turn is
+    reused whole."""
+    from specrl.episodes.env import EnvironmentFactory
+    from specrl.episodes.runner import EpisodeLoop, EpisodeStage, sampled_turns
+    from tests.episodes.test_episodes import char_tokenizer
+
+    class Echo:
+        def reset(self, row):
+            self.turns = 0
+
+        def step(self, response):
+            self.turns += 1
+            return ("a" if "b" in response else "cd"), 0.0, self.turns == 3
+
+    engine = request.getfixturevalue(engine_name)
+    hf = synced(engine, tiny(3, init=0.5))
+    tokenizer = char_tokenizer("abcdefghij")  # VOCAB tokens
+    loop = EpisodeLoop(EnvironmentFactory(Echo, "echo", 5.0), tokenizer, 4, 24)
+    prompts = [Prompt(tuple(ids), Example(str(ids), "", "test")) for ids in PROMPTS]
+    expected, _ = loop.run(prompts, 1, sampled_turns(hf, GREEDY, ("g",), 0), 0)
+    verify_mode = "decoding" if engine_name == "drafting_engine" else "full"
+    spec = SpecConfig(verify_mode=verify_mode, tree=TreeConfig(enabled=False))
+    stage = EpisodeStage(SpeculativeStage(engine, GREEDY, 24, spec), loop)
+    for call in (1, 2):
+        got, stats = stage(prompts, 1, ("s", call), call)
+        assert [r.token_ids for r in got] == [r.token_ids for r in expected]
+        assert [r.loss_mask for r in got] == [r.loss_mask for r in expected]
+    assert stats.turns > len(prompts)  # several turns
+    for t, tokens in stats.turn_response_tokens.items():
+        assert stats.turn_reused_tokens[t] == tokens > 0, t

@@ -152,8 +152,9 @@ def test_episode_stage_state_restores_the_next_episodes():
 SMALL_VOCAB = 5  # <pad> <eos> a b c
 
 
-def small_tokenizer():
-    vocab = {tok: i for i, tok in enumerate(["<pad>", "<eos>", "a", "b", "c"])}
+def char_tokenizer(chars="abc"):
+    """<pad> (0), <eos> (1), then one token per character of `chars`."""
+    vocab = {tok: i for i, tok in enumerate(["<pad>", "<eos>", *chars])}
     core = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
     core.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
     core.decoder = decoders.Fuse()
@@ -210,7 +211,7 @@ def test_exact_rule_keeps_whole_episodes_distributed_as_the_policy(acceptance, e
     """20k two-turn episodes whose stored drafts (turns and observations) come from another
     policy: under the exact rule whole episodes are distributed as the current policy's own
     (chi-square, p > 1e-3); the lenient rule is detected by the same test (it has power)."""
-    tokenizer, budget, n = small_tokenizer(), 5, 20_000
+    tokenizer, budget, n = char_tokenizer(), 5, 20_000
     prompt = Prompt((2, 3), Example("ab", "", "test"))
     target, drafter = (engine(seed, SMALL_VOCAB) for seed in (5, 9))
     factory = EnvironmentFactory(Branching, "branching", 5.0)
