@@ -8,7 +8,7 @@ counts. A call takes prompts and a number of slots (`__call__`), or single slots
 token budgets and with or without their stored drafts (`rollout`: the turns of episodes). Its
 state is saved whole (`state_dict`) or per prompt (`export` / `import_`: a prompt's
 drafts and tree, what moves with a prompt between workers that own shards of prompts).
-`sample_rollouts` is plain sampling without a stage (evaluation).
+`sample_rollouts` and `sample_slots` are plain sampling without a stage (evaluation).
 """
 
 from __future__ import annotations
