@@ -25,7 +25,7 @@ def plot_metrics(
     fig, axes = plt.subplots(rows, columns, figsize=(11, 3.5 * rows), squeeze=False)
     for ax in axes.flat[len(panels) :]:
         ax.set_visible(False)
-    for ax, (key, title) in zip(axes.flat, panels, strict=False):
+    for ax, (key, panel_title) in zip(axes.flat, panels, strict=False):
         for label, history in histories.items():
             points = [(m["training/global_step"], m[key]) for m in history if key in m]
             if points:
@@ -34,7 +34,7 @@ def plot_metrics(
                     label=label,
                     marker="." if key.startswith("val/") else None,
                 )
-        ax.set_title(title)
+        ax.set_title(panel_title)
         ax.set_xlabel("step")
         if len(histories) > 1:
             ax.legend()

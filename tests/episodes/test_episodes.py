@@ -6,7 +6,6 @@ from itertools import product
 
 import pytest
 import torch
-from scipy.stats import chisquare
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
@@ -22,6 +21,7 @@ from specrl.speculative.stage import SpeculativeStage
 from specrl.toy_policy import build_tokenizer
 from specrl.types import Example, Prompt
 from tests.conftest import EOS, PAD, make_tiny_model
+from tests.speculative.distributions import sample_pvalue
 
 SAMPLING = SamplingParams(1.0)
 TOKENIZER = build_tokenizer()  # pad 0, eos 1: as the tiny models
@@ -224,14 +224,7 @@ def test_exact_rule_keeps_whole_episodes_distributed_as_the_policy(acceptance, e
     assert 0 < stats.turn_reused_tokens[1] < stats.turn_response_tokens[1]  # drafts partly kept
 
     probs = episode_probabilities(target, prompt.ids, budget, tokenizer)
-    assert sum(probs.values()) == pytest.approx(1.0, abs=1e-4)
-    counts = dict.fromkeys(probs, 0)
-    for r in rollouts:
-        counts[tuple(r.token_ids)] += 1
-    common = [seq for seq, p in probs.items() if p * n >= 5]
-    observed = [counts[s] for s in common] + [n - sum(counts[s] for s in common)]
-    expected = [probs[s] * n for s in common] + [n - sum(probs[s] * n for s in common)]
-    pvalue = chisquare(observed, expected, sum_check=False).pvalue
+    pvalue = sample_pvalue(probs, [tuple(r.token_ids) for r in rollouts])
     if exact:
         assert pvalue > 1e-3
     else:

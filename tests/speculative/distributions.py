@@ -28,12 +28,18 @@ def response_probabilities(engine, prompt, vocab, max_len):
 def distribution_pvalue(engine, prompt, rollouts, vocab, max_len):
     """Chi-square p-value of the complete responses in `rollouts` against `engine`'s exact
     response distribution; rare responses share one bin so every expected count is ≥ 5."""
-    n = len(rollouts)
     probs = response_probabilities(engine, prompt.ids, vocab, max_len)
+    return sample_pvalue(probs, [tuple(r.token_ids) for r in rollouts])
+
+
+def sample_pvalue(probs, samples):
+    """Chi-square p-value of `samples` against the exact probabilities `probs` (outcome →
+    probability, summing to 1); rare outcomes share one bin so every expected count is ≥ 5."""
+    n = len(samples)
     assert sum(probs.values()) == pytest.approx(1.0, abs=1e-4)
     counts = dict.fromkeys(probs, 0)
-    for r in rollouts:
-        counts[tuple(r.token_ids)] += 1
+    for sample in samples:
+        counts[sample] += 1
     common = [seq for seq, p in probs.items() if p * n >= 5]
     observed = [counts[s] for s in common] + [n - sum(counts[s] for s in common)]
     expected = [probs[s] * n for s in common] + [n - sum(probs[s] * n for s in common)]
