@@ -31,6 +31,7 @@ def evaluate(
     start = time.perf_counter()
     rollouts: list[Rollout] = []
     turns = 0
+    turn = sampled_turns(engine, GREEDY, ("val",), policy_version)
     for i in range(0, len(prompts), batch_size):
         batch = prompts[i : i + batch_size]
         if episodes is None:
@@ -38,7 +39,6 @@ def evaluate(
                 engine, batch, 1, GREEDY, max_response_length, ("val",), policy_version
             )
             continue
-        turn = sampled_turns(engine, GREEDY, ("val",), policy_version)
         played, stats = episodes.run(batch, 1, turn, policy_version)
         rollouts += played
         turns += stats.turns

@@ -65,7 +65,7 @@ class EnvironmentFactory:
         params = [p for p in inspect.signature(step).parameters.values() if p.name != "self"]
         self.takes_token_ids = len(params) >= 2  # step(response, token_ids)
 
-    def reset(self, example: Example) -> tuple[Any, str | None, str | None]:
+    def reset(self, example: Example) -> tuple[Environment | None, str | None, str | None]:
         """A new environment for `example`'s row → (environment, text before the first turn,
         error message or None)."""
         row = {
@@ -89,7 +89,7 @@ class EnvironmentFactory:
         return env, text, None
 
     def step(
-        self, env: Any, response: str, token_ids: Sequence[int]
+        self, env: Environment, response: str, token_ids: Sequence[int]
     ) -> tuple[StepResult | None, str | None]:
         """→ (the step's result, None), or (None, the error message)."""
         args = (response, list(token_ids)) if self.takes_token_ids else (response,)

@@ -29,7 +29,7 @@ from typing import Any
 from transformers import PreTrainedTokenizerBase
 
 from specrl.engines import RolloutEngine, SamplingParams
-from specrl.episodes.env import EnvError, EnvironmentFactory
+from specrl.episodes.env import EnvError, Environment, EnvironmentFactory
 from specrl.speculative.stage import SlotRequest, SpeculativeStage, sample_slots
 from specrl.speculative.stats import RolloutStats
 from specrl.types import FinishReason, Prompt, Rollout
@@ -42,7 +42,7 @@ TurnFn = Callable[[Sequence[SlotRequest]], tuple[list[Rollout], RolloutStats]]
 class _Episode:
     prompt: Prompt
     slot: int
-    env: Any
+    env: Environment | None  # None: its reset failed
     budget: int  # tokens left: turns and observations
     tokens: list[int] = field(default_factory=list)  # after the prompt
     current_logprobs: list[float] = field(default_factory=list)
