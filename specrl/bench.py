@@ -3,8 +3,10 @@
 Arms: vanilla, spec (speculative rollouts as configured: SPEC-RL prefix reuse, with token-tree
 drafts for the decoded tokens where `rollout.spec.tree.enabled` says so, by default),
 spec-in-decoding (spec with `rollout.spec.verify_mode=decoding`: stored drafts verified inside
-decoding, exact rule), tree (token-tree drafts only) and spec+tree (both, whatever the config);
-the default is vanilla and spec, `--arms` picks others. `--seeds 1,2,3` trains every arm once per
+decoding, exact rule), tree (specrl's token-tree drafts only), spec+tree (both, whatever the
+config), suffix (vLLM's own suffix decoding, `rollout.spec.tree.method=suffix`, no prefix reuse:
+the anchor on the vllm engine) and spec+suffix (prefix reuse verified by a scoring pass, the
+rest drafted by vLLM's suffix decoding); the default is vanilla and spec, `--arms` picks others. `--seeds 1,2,3` trains every arm once per
 seed: one run's final accuracy on a small held-out set moves by a few points from seed to seed.
 
 Writes DIR/bench.json and DIR/bench.png. Speeds are totals over the whole run, measured with
@@ -13,6 +15,7 @@ wall clocks around the rollout stage (verification included) and around whole st
 
 from __future__ import annotations
 
+import functools
 import json
 import platform
 from collections.abc import Sequence
@@ -29,12 +32,16 @@ from specrl.plots import plot_metrics
 from specrl.speculative.stats import RolloutStats
 from specrl.trainer import Trainer
 
-ARMS = {  # arm → (SPEC-RL prefix reuse, token-tree drafts, verify mode; None: as configured)
-    "vanilla": (False, False, None),
-    "spec": (True, None, None),
-    "spec-in-decoding": (True, None, "decoding"),
-    "tree": (False, True, None),
-    "spec+tree": (True, True, None),
+SPECRL_TREES = {"tree.enabled": True, "tree.method": "specrl"}
+SUFFIX = {"tree.enabled": True, "tree.method": "suffix", "verify_mode": "full"}
+ARMS = {  # arm → what it sets under rollout.spec (the rest as configured)
+    "vanilla": {"enabled": False, "tree.enabled": False},
+    "spec": {"enabled": True},
+    "spec-in-decoding": {"enabled": True, "verify_mode": "decoding", "tree.method": "specrl"},
+    "tree": {"enabled": False, **SPECRL_TREES},
+    "spec+tree": {"enabled": True, **SPECRL_TREES},
+    "suffix": {"enabled": False, **SUFFIX},
+    "spec+suffix": {"enabled": True, **SUFFIX},
 }
 DEFAULT_ARMS = ("vanilla", "spec")
 BENCH_PANELS = [
@@ -103,11 +110,9 @@ def arm_config(cfg: Config, arm: str, seed: int, seed_dir: Path) -> Config:
     """The config of one arm's run: the bench's config with the arm's speculation, seed and
     output directory."""
     arm_cfg = cfg.model_copy(deep=True)
-    arm_cfg.rollout.spec.enabled, tree, verify_mode = ARMS[arm]
-    if tree is not None:
-        arm_cfg.rollout.spec.tree.enabled = tree
-    if verify_mode is not None:
-        arm_cfg.rollout.spec.verify_mode = verify_mode
+    for key, value in ARMS[arm].items():
+        *sections, name = key.split(".")
+        setattr(functools.reduce(getattr, sections, arm_cfg.rollout.spec), name, value)
     arm_cfg.trainer.seed = seed
     arm_cfg.trainer.output_dir = str(seed_dir / arm)
     arm_cfg.trainer.resume_mode = "disable"  # a benchmark always measures a fresh run

@@ -97,6 +97,13 @@ class TreeConfig(Section):
         description="token-tree drafts (SRT) for the tokens that still have to be decoded; auto: "
         "in speculative rollouts",
     )
+    method: Literal["specrl", "suffix"] = Field(
+        "specrl",
+        description="who keeps the trees and drafts from them: specrl (per-prompt trees of the "
+        "last `window` rollouts, on either engine) or suffix (vLLM's built-in suffix decoding, "
+        "from arctic-inference: trees of the prompt and of vLLM's recent responses inside vLLM, "
+        "max_draft_tokens per step; rollout.name=vllm; window, online and max_nodes do not apply)",
+    )
     max_draft_tokens: int = Field(
         8, ge=1, description="K: most draft tokens verified per sequence in one decode forward"
     )
@@ -135,7 +142,7 @@ class SpecConfig(Section):
         description="full: one pass over every draft; chunked: stop each draft at its first "
         "rejection; decoding: the stored draft is the engine's first draft tokens, verified "
         "inside decoding (exact rule only); auto: decoding on rollout.name=vllm under the exact "
-        "rule (measured faster there), else full",
+        "rule with tree.method=specrl (measured faster there), else full",
     )
     verify_chunk_size: int = Field(
         16, ge=1, description="draft tokens per pass in chunked verification"
@@ -556,7 +563,8 @@ class Config(Section):
         spec = self.rollout.spec
         if spec.verify_mode == "auto":
             on_vllm = self.rollout.name == "vllm" and spec.acceptance == "exact"
-            spec.verify_mode = "decoding" if on_vllm else "full"
+            specrl_drafts = spec.tree.method == "specrl"
+            spec.verify_mode = "decoding" if on_vllm and specrl_drafts else "full"
         return self
 
     @model_validator(mode="after")
@@ -594,6 +602,17 @@ class Config(Section):
                 "rollout.spec.verify_mode=decoding verifies drafts inside decoding, with the "
                 "exact rule: set rollout.spec.acceptance=exact (the specrl rule needs the scoring "
                 "pass of full or chunked verification)"
+            )
+        if spec.tree.method == "suffix" and self.rollout.name != "vllm":
+            raise ValueError(
+                "rollout.spec.tree.method=suffix is vLLM's built-in suffix decoding: set "
+                "rollout.name=vllm (tree.method=specrl drafts from specrl's trees on any engine)"
+            )
+        if spec.tree.method == "suffix" and spec.verify_mode == "decoding":
+            raise ValueError(
+                "rollout.spec.verify_mode=decoding hands the stored drafts to specrl's proposer, "
+                "which rollout.spec.tree.method=suffix replaces with vLLM's: set "
+                "rollout.spec.verify_mode=full, or tree.method=specrl"
             )
         if self.trainer.n_gpus_per_node and self.actor.num_workers > 1:
             raise ValueError(

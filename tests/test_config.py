@@ -35,6 +35,15 @@ from specrl.config import ConfigError, load_config
             ["rollout.spec.verify_mode=decoding", "rollout.spec.acceptance=specrl"],
             "rollout.spec.verify_mode=decoding verifies drafts inside decoding, with the exact",
         ),
+        (["rollout.spec.tree.method=suffix"], "suffix decoding: set rollout.name=vllm"),
+        (
+            [
+                "rollout.name=vllm",
+                "rollout.spec.tree.method=suffix",
+                "rollout.spec.verify_mode=decoding",
+            ],
+            "which rollout.spec.tree.method=suffix replaces with vLLM's: set rollout.spec.verify_mode=full",
+        ),
         (["rollout.n"], "not of the form key=value"),
         (["rollout.run_ahead=true"], "rollout.run_ahead seeds token trees on rollout workers"),
         (
@@ -276,6 +285,7 @@ def test_nccl_weight_sync_needs_one_learner_rank(monkeypatch):
         (["rollout.name=vllm"], "decoding"),  # exact rule on vLLM: drafts verified in decoding
         (["rollout.name=vllm", "rollout.spec.acceptance=specrl"], "full"),  # needs p_old/p_new
         (["rollout.name=vllm", "rollout.spec.verify_mode=chunked"], "chunked"),  # as asked
+        (["rollout.name=vllm", "rollout.spec.tree.method=suffix"], "full"),  # vLLM's own drafts
     ],
 )
 def test_verify_mode_auto_verifies_inside_decoding_on_vllm_under_the_exact_rule(overrides, mode):

@@ -51,6 +51,7 @@ def _vllm_engine(
         seed=cfg.trainer.seed,
         weight_transfer=weight_transfer,
         draft_tokens=spec.tree.max_draft_tokens if spec.decodes_with_drafts() else 0,
+        draft_method=spec.tree.method,
     )
 
 

@@ -14,7 +14,10 @@ by whoever needs it (the speculative stage, the trainer):
   computing it again. The handle is the whole contract: nothing is kept behind the caller's back,
   several `logprobs` calls (chunked verification) add to one handle, and it is only valid for
   the weights it was made with;
-- `sleep`: `sleep()` / `wake_up()` free the accelerator's memory while the trainer updates.
+- `sleep`: `sleep()` / `wake_up()` free the accelerator's memory while the trainer updates;
+- `own_drafts`: the engine drafts for itself while it decodes (vLLM's suffix decoding), in
+  `generate`; its results count the decode forwards, draft and accepted tokens as
+  `generate_with_drafts` results do.
 """
 
 from __future__ import annotations
@@ -68,7 +71,7 @@ class GenResult:
     logprobs: list[float]  # behaviour logprob of each new token
     finish_reason: FinishReason
     forwards: int = 0  # decode forwards this request took part in
-    draft_tokens: int = 0  # draft tokens verified for it (engines with draft_decoding)
+    draft_tokens: int = 0  # draft tokens verified for it (draft_decoding, own_drafts)
     accepted_tokens: int = 0  # of which accepted
 
 
@@ -89,6 +92,7 @@ class Capabilities:
     residual_sampling: bool = False
     prefix_reuse: bool = False
     sleep: bool = False
+    own_drafts: bool = False
 
 
 class Prefixes(Protocol):

@@ -148,7 +148,8 @@ class SpeculativeStage:
                 "use rollout.spec.acceptance=specrl on this engine"
             )
         self.in_decoding = cfg.enabled and cfg.verify_mode == "decoding"
-        if (cfg.tree.enabled is True or self.in_decoding) and not capabilities.draft_decoding:
+        specrl_trees = cfg.tree.enabled is True and cfg.tree.method == "specrl"
+        if (specrl_trees or self.in_decoding) and not capabilities.draft_decoding:
             wanted = "verify_mode=decoding" if self.in_decoding else "tree.enabled=true"
             raise UserError(
                 f"rollout.spec.{wanted} needs an engine that decodes with drafts (hf, or a vllm "
@@ -159,8 +160,15 @@ class SpeculativeStage:
         self.max_response_length = max_response_length
         self.cfg = cfg
         self.store = RolloutStore()
-        uses_tree = cfg.uses_tree() and capabilities.draft_decoding
+        if cfg.tree.method == "suffix" and cfg.uses_tree() and not capabilities.own_drafts:
+            raise UserError(
+                "rollout.spec.tree.method=suffix needs an engine that drafts with vLLM's suffix "
+                "decoding (a vllm engine built with draft_method=suffix)"
+            )
+        uses_tree = cfg.uses_tree() and capabilities.draft_decoding and cfg.tree.method == "specrl"
         self.tree = TokenTree(cfg.tree.window, cfg.tree.max_nodes) if uses_tree else None
+        # the engine's results count drafts: specrl's (trees, stored drafts) or the engine's own
+        self.counts_drafts = self.tree is not None or self.in_decoding or capabilities.own_drafts
         self.draft_width = DraftWidth(cfg.tree.max_draft_tokens, cfg.tree.adaptive)
 
     @property
@@ -182,7 +190,7 @@ class SpeculativeStage:
         start = time.perf_counter()
         stats = RolloutStats(
             speculative=self.cfg.enabled,
-            tree=self.tree is not None or self.in_decoding,
+            tree=self.counts_drafts,
             lenient=self.lenient,
         )
         slots = [
@@ -506,7 +514,7 @@ class SpeculativeStage:
         stats.store_entries = len(self.store)
         stats.store_tokens = self.store.num_tokens
         stats.store_bytes = self.store.nbytes
-        if self.tree is not None or self.in_decoding:
+        if self.counts_drafts:
             for i, r in results.items():
                 stats.tree_forwards += r.forwards
                 stats.tree_output_tokens += len(r.token_ids)
@@ -514,6 +522,7 @@ class SpeculativeStage:
                 stats.tree_accepted_tokens += r.accepted_tokens
                 if self.in_decoding and slots[i].verified is not None:
                     stats.tree_output_tokens += slots[i].verified.cut  # decoded, then kept
+        if self.tree is not None or self.in_decoding:  # specrl's drafts: its width controller
             for k, forwards in self.draft_width.reset_choices().items():
                 stats.tree_width_forwards += forwards
                 stats.tree_width_sum += k * forwards

@@ -38,8 +38,8 @@ def tree_session(k=3, online=False, budgets=(10, 10)):
         max_tokens=8,
         requests=[(0, 2, budgets[0]), (1, 2, budgets[1])],  # (index, start, budget)
     )
-    session.add("a-x1", 0)
-    session.add("b-x2", 1)
+    session.counts.add("a-x1", 0)
+    session.counts.add("b-x2", 1)
     return session, tree
 
 
@@ -53,7 +53,7 @@ def test_rows_are_mapped_by_request_id_and_proposed_from_their_trees():
     # prefill in row 1: nothing sampled for it, nothing proposed
     ids, lengths, token_ids = batch({"b-x2": [7, 5, 9, 9, 1], "other": [2, 2]})
     assert session.propose(ids, [[9, 1], []], lengths, token_ids) == [[], []]
-    assert session.draft_tokens == [0, 2] and session.accepted_tokens == [0, 1]
+    assert session.counts.draft_tokens == [0, 2] and session.counts.accepted_tokens == [0, 1]
 
 
 def test_acceptance_is_read_from_what_the_next_step_sampled():
@@ -63,12 +63,13 @@ def test_acceptance_is_read_from_what_the_next_step_sampled():
     # a accepted 6 7 of 6 7 8 and drew 2; b rejected its first draft token
     ids, lengths, token_ids = batch({"a-x1": [3, 4, 5, 6, 7, 2], "b-x2": [7, 5, 9, 3]})
     session.propose(ids, [[6, 7, 2], [3]], lengths, token_ids)
-    assert session.draft_tokens == [3, 2] and session.accepted_tokens == [2, 0]
+    assert session.counts.draft_tokens == [3, 2] and session.counts.accepted_tokens == [2, 0]
     width = session.drafter.width
     assert width.acceptance == (2 + 1) / (2 + 1 + 1 + 2)  # 2 successes in 4 trials, prior 1/2
     result = GenResult([], [], "length")
-    session.count(0, result)
-    assert (result.forwards, result.draft_tokens, result.accepted_tokens) == (3, 3, 2)
+    session.counts.count(0, result)
+    # the prefill's step and one decode step
+    assert (result.forwards, result.draft_tokens, result.accepted_tokens) == (2, 3, 2)
 
 
 def test_drafts_respect_the_budget_and_the_engine_limit():
@@ -77,8 +78,8 @@ def test_drafts_respect_the_budget_and_the_engine_limit():
     # a may decode 3 new tokens: 1 so far, 1 draft, 1 for the token after it
     assert session.propose(ids, [[5], [9]], lengths, token_ids)[0] == [6]
     capped = DraftSession(session.drafter, max_tokens=1, requests=session.targets)
-    capped.add("a-x1", 0)
-    capped.add("b-x2", 1)
+    capped.counts.add("a-x1", 0)
+    capped.counts.add("b-x2", 1)
     assert capped.propose(ids, [[5], [9]], lengths, token_ids) == [[6], [9]]
 
 

@@ -48,6 +48,17 @@ def drafting_engine(vllm_engine, tmp_path_factory):
     return VLLMEngine(path, [EOS], max_model_len=128, draft_tokens=4)
 
 
+@pytest.fixture(scope="session")
+def suffix_engine(vllm_engine, tmp_path_factory):
+    """A third engine, drafting with vLLM's own suffix decoding (arctic-inference)."""
+    pytest.importorskip(
+        "arctic_inference", reason="arctic-inference is not installed (see README: vLLM's suffix)"
+    )
+    path = tmp_path_factory.mktemp("vllm-suffix-model")
+    tiny(0).save_pretrained(path)
+    return VLLMEngine(path, [EOS], max_model_len=128, draft_tokens=4, draft_method="suffix")
+
+
 def tiny(seed, init=1.0):
     return make_tiny_model(seed=seed, vocab_size=VOCAB, init=init, hidden_size=64)
 
@@ -226,6 +237,53 @@ def test_greedy_decoding_with_proposer_drafts_equals_greedy_decoding_without(
     assert sum(r.forwards for r in drafted) < sum(len(r.token_ids) for r in drafted)
 
 
+def test_greedy_decoding_with_vllms_suffix_drafts_equals_greedy_decoding_without(
+    vllm_engine, suffix_engine
+):
+    """vLLM's suffix decoding drafts from the prompt and from the responses it has seen (the
+    second round repeats the first's requests): tokens and logprobs stay greedy's, and the
+    engine counts its drafts per request."""
+    model = tiny(3)
+    synced(vllm_engine, model)
+    suffix_engine.load_weights(model.state_dict())
+    requests = [GenRequest(p, 16, GREEDY) for p in PROMPTS]
+    plain = vllm_engine.generate(requests)
+    assert suffix_engine.capabilities.own_drafts and not suffix_engine.capabilities.draft_decoding
+    for _ in range(2):
+        drafted = suffix_engine.generate(requests)
+        assert [r.token_ids for r in drafted] == [r.token_ids for r in plain]
+        for a, b in zip(drafted, plain, strict=True):
+            assert torch.allclose(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-4)
+    accepted = sum(r.accepted_tokens for r in drafted)
+    assert 0 < accepted <= sum(r.draft_tokens for r in drafted)
+    assert sum(r.forwards for r in drafted) < sum(len(r.token_ids) for r in drafted)
+
+
+def test_vllms_suffix_drafts_keep_the_target_distribution(suffix_engine):
+    """10k slots sampled with vLLM's suffix decoding drafting (alone, and after stored drafts
+    from another policy verified by a scoring pass, the exact rule): distributed as the current
+    policy's samples. The anchor of the bench samples what vanilla samples."""
+    vocab, max_len, n = VOCAB, 3, 10_000
+    target_model = tiny(5, init=0.5)
+    suffix_engine.load_weights(target_model.state_dict())
+    prompt = Prompt((2, 3), Example("p", "", "test"))
+    drafter = HFEngine(tiny(9, init=0.5), [EOS], PAD, n)
+    sampling = SamplingParams(1.0)
+    reference = HFEngine(target_model, [EOS], PAD)
+    suffix = TreeConfig(enabled=True, method="suffix")
+    for spec in (
+        SpecConfig(enabled=False, tree=suffix),
+        SpecConfig(verify_mode="full", tree=suffix),
+    ):
+        stage = SpeculativeStage(suffix_engine, sampling, max_len, spec)
+        for r in sample_rollouts(drafter, [prompt], n, sampling, max_len, ("draft",), 0):
+            stage.store.put(r)
+        rollouts, stats = stage([prompt], n, ("suffix", spec.enabled), 1)
+        assert 0 < stats.tree_accepted_tokens < stats.tree_draft_tokens
+        assert (stats.reused_tokens > 0) == spec.enabled
+        assert distribution_pvalue(reference, prompt, rollouts, vocab, max_len) > 1e-3
+
+
 @pytest.mark.parametrize(
     ("spec", "exact"),
     [
@@ -264,6 +322,31 @@ def test_drafts_inside_vllm_keep_the_target_distribution_and_the_test_has_power(
         assert pvalue > 1e-3
     else:
         assert pvalue < 1e-6
+
+
+def test_bench_of_vllms_suffix_decoding(tiny_policy_dir, tmp_path):
+    """`specrl bench rollout.name=vllm --arms vanilla,suffix,spec+suffix`: the suffix arms train
+    through vLLM drafting with its own suffix decoding, and bench.json reports its drafts."""
+    pytest.importorskip("arctic_inference", reason="arctic-inference is not installed")
+    out = tmp_path / "bench"
+    args = [
+        f"model.path={tiny_policy_dir}", "trainer.logger=[jsonl]", "rollout.name=vllm",
+        "data.train_size=8", "data.val_size=8", "data.train_batch_size=4", "rollout.n=4",
+        "actor.ppo_mini_batch_size=2", "data.max_response_length=12",
+        "trainer.total_training_steps=4", "trainer.save_freq=0", "trainer.test_freq=2",
+    ]  # fmt: skip
+    done = subprocess.run(
+        [sys.executable, "-m", "specrl.cli", "bench", "--out", str(out),
+         "--arms", "vanilla,suffix,spec+suffix", *args],
+        capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    arms = json.loads((out / "bench.json").read_text())["arms"]
+    assert "tree_draft_tokens" not in arms["vanilla"]
+    for arm in ("suffix", "spec+suffix"):
+        assert 0 < arms[arm]["tree_accepted_tokens"] <= arms[arm]["tree_draft_tokens"]
+        assert arms[arm]["mean_accepted_per_forward"] > 1
+    assert arms["suffix"]["reused_token_ratio"] == 0 < arms["spec+suffix"]["reused_token_ratio"]
 
 
 @pytest.mark.parametrize("engine_name", ["vllm_engine", "drafting_engine"])

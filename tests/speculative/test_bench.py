@@ -18,7 +18,8 @@ def test_bench_trains_every_arm_and_writes_json_and_plot(tiny_policy_dir, tmp_pa
         "trainer.save_freq=0", "trainer.test_freq=2", "rollout.spec.tree.adaptive=false",
         "rollout.spec.tree.online=true", "rollout.spec.acceptance=specrl",
     )  # fmt: skip
-    arms = tuple(a for a in ARMS if a != "spec-in-decoding")  # the exact rule's (test_stage.py)
+    # spec-in-decoding: the exact rule's (test_stage.py); the suffix arms: vLLM's (test_vllm.py)
+    arms = tuple(a for a in ARMS if a != "spec-in-decoding" and "suffix" not in a)
     result = run_bench(cfg, tmp_path / "bench", arms, log=lambda _: None)
     on_disk = json.loads((tmp_path / "bench" / "bench.json").read_text())
     assert on_disk == result
@@ -65,6 +66,8 @@ def test_arms_are_checked(capsys, tmp_path):
     lenient = load_config(None, ["rollout.spec.acceptance=specrl"])
     with pytest.raises(UserError, match=r"--arms spec-in-decoding: invalid config: rollout\.spec"):
         run_bench(lenient, tmp_path, ("vanilla", "spec", "spec-in-decoding"))  # before training
+    with pytest.raises(UserError, match=r"--arms suffix: .*vLLM's built-in suffix decoding"):
+        run_bench(load_config(None, []), tmp_path, ("vanilla", "suffix"))
     assert not any(tmp_path.iterdir())
     assert parse_seeds("1, 2,1") == [1, 2] and parse_seeds(None) is None
     assert main(["bench", "--seeds", "1,x"]) == 2

@@ -14,7 +14,9 @@ vllm.
   declare `prefix_reuse`). It is reset after every weight sync.
 - capabilities: residual sampling (`allowed_token_ids`) and sleep; draft decoding when built
   with `draft_tokens` > 0: vLLM's speculative decoding with specrl's proposer (proposer.py),
-  whose point-mass drafts vLLM's rejection sampler verifies with the exact rule.
+  whose point-mass drafts vLLM's rejection sampler verifies with the exact rule. Built with
+  `draft_method="suffix"` instead, vLLM drafts with its own suffix decoding (arctic-inference)
+  in every `generate` (`own_drafts`), and specrl only counts those drafts.
 - requests are driven through vLLM's `LLMEngine` (add_request / step), so every request's id
   is the engine's own and a finished request reaches the drafter while the rest decode.
 - weights: through vLLM's RL weight-update API (`LLM.init_weight_transfer_engine`,
@@ -26,10 +28,11 @@ vllm.
 
 from __future__ import annotations
 
+import importlib.util
 import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Literal
 
 import torch
 
@@ -45,7 +48,14 @@ from specrl.engines.protocol import (
 )
 from specrl.engines.sampling import RowSampling, sampling_logprobs
 from specrl.engines.vllm import cpu_kernels
-from specrl.engines.vllm.proposer import DraftSession, Proposer, attach
+from specrl.engines.vllm.proposer import (
+    DraftCounts,
+    DraftSession,
+    Proposer,
+    SuffixCounter,
+    attach,
+    count_suffix_drafts,
+)
 from specrl.errors import UserError
 
 
@@ -97,12 +107,14 @@ class VLLMEngine:
         seed: int = 0,
         weight_transfer: str = "local",
         draft_tokens: int = 0,
+        draft_method: Literal["specrl", "suffix"] = "specrl",
     ) -> None:
         """`weight_transfer`: local (`load_weights` hands this process's tensors over) or nccl
         (a rollout worker on a GPU: the trainer broadcasts through vLLM's NCCL engine, driven
         from outside with the `llm`'s weight-update calls). `draft_tokens` > 0: vLLM decodes
         with speculative decoding through specrl's proposer, verifying up to that many draft
-        tokens per request and step (`generate_with_drafts`)."""
+        tokens per request and step (`generate_with_drafts`); with `draft_method="suffix"`,
+        vLLM's suffix decoding proposes up to that many in every `generate` instead."""
         vllm = _import_vllm()
         from specrl.engines.vllm.weights import BACKEND
 
@@ -113,8 +125,20 @@ class VLLMEngine:
         # discards a sample fails there ("CPU Generator does not use offset"). On CPU every
         # prefill runs whole.
         whole_prefills = {"enable_chunked_prefill": False} if _on_cpu(vllm) else {}
+        suffix = draft_tokens > 0 and draft_method == "suffix"
         drafts = {}
-        if draft_tokens > 0:
+        if suffix:
+            if importlib.util.find_spec("arctic_inference") is None:
+                raise UserError(
+                    "rollout.spec.tree.method=suffix is vLLM's suffix decoding, which needs "
+                    "arctic-inference: pip install arctic-inference==0.1.1 (on a CPU it builds "
+                    "from source, see README), or set rollout.spec.tree.method=specrl"
+                )
+            drafts["speculative_config"] = {
+                "method": "suffix",
+                "num_speculative_tokens": draft_tokens,
+            }
+        elif draft_tokens > 0:
             drafts["speculative_config"] = {
                 "method": "custom_class",
                 "model": f"{Proposer.__module__}.{Proposer.__name__}",
@@ -139,11 +163,15 @@ class VLLMEngine:
             self.llm.init_weight_transfer_engine({"init_info": {}})
         if _on_cpu(vllm):
             cpu_kernels.register()
+        specrl_drafts = draft_tokens > 0 and not suffix
         self.capabilities = Capabilities(
-            draft_decoding=draft_tokens > 0, residual_sampling=True, sleep=True
+            draft_decoding=specrl_drafts, residual_sampling=True, sleep=True, own_drafts=suffix
         )
         self.proposer: Proposer | None = (
-            self.llm.collective_rpc(attach)[0] if draft_tokens > 0 else None
+            self.llm.collective_rpc(attach)[0] if specrl_drafts else None
+        )
+        self.suffix: SuffixCounter | None = (
+            self.llm.collective_rpc(count_suffix_drafts)[0] if suffix else None
         )
         self.vocab_size = self.llm.llm_engine.model_config.get_vocab_size()
 
@@ -181,6 +209,7 @@ class VLLMEngine:
         ]
         contexts = [list(requests[i].prompt_ids) + list(requests[i].prefix_ids) for i in todo]
         session = None
+        counts = DraftCounts(len(todo)) if self.suffix is not None else None
         if drafter is not None:
             session = DraftSession(
                 drafter,
@@ -190,6 +219,7 @@ class VLLMEngine:
                     for i, c in zip(todo, contexts, strict=True)
                 ],
             )
+            counts = session.counts
         outputs = self._run(
             [c + results[i].token_ids for i, c in zip(todo, contexts, strict=True)],
             [
@@ -201,16 +231,17 @@ class VLLMEngine:
                 for i in todo
             ],
             session,
+            counts,
         )
         for number, (i, out) in enumerate(zip(todo, outputs, strict=True)):
             completion = out.outputs[0]
             results[i].token_ids.extend(completion.token_ids)
             results[i].logprobs.extend(_sampled_logprobs(completion.token_ids, completion.logprobs))
             results[i].finish_reason = "stop" if completion.finish_reason == "stop" else "length"
-            if session is None:
+            if counts is None:
                 results[i].forwards += len(completion.token_ids)
             else:
-                session.count(number, results[i])
+                counts.count(number, results[i])
         return results
 
     def _residual_first_tokens(
@@ -254,11 +285,16 @@ class VLLMEngine:
         )
 
     def _run(
-        self, contexts: list[list[int]], params: list, session: DraftSession | None = None
+        self,
+        contexts: list[list[int]],
+        params: list,
+        session: DraftSession | None = None,
+        counts: DraftCounts | None = None,
     ) -> list:
         """vLLM's outputs for these requests, in order. With `session`, the proposer drafts for
         them while they decode, and each finished request is handed to the drafter at once (an
-        online tree learns from it for the requests still running)."""
+        online tree learns from it for the requests still running). With `counts` (vLLM's
+        suffix decoding), its drafts are counted per request."""
         engine = self.llm.llm_engine
         index: dict[str, int] = {}
         for i, (context, p) in enumerate(zip(contexts, params, strict=True)):
@@ -266,11 +302,13 @@ class VLLMEngine:
             prompt = self._vllm.inputs.TokensPrompt(prompt_token_ids=context)
             vllm_id = engine.add_request(f"specrl-{i}", prompt, p)
             index[vllm_id] = index[f"specrl-{i}"] = i
-            if session is not None:
-                session.add(vllm_id, i)
+            if counts is not None:
+                counts.add(vllm_id, i)
         outputs: list = [None] * len(contexts)
         if session is not None:
             self.proposer.session = session
+        if self.suffix is not None:
+            self.suffix.counts = counts
         try:
             while engine.has_unfinished_requests():
                 for out in engine.step():
@@ -282,6 +320,8 @@ class VLLMEngine:
         finally:
             if session is not None:
                 self.proposer.session = None
+            if self.suffix is not None:
+                self.suffix.counts = None
         return outputs
 
     # ---------------------------------------------------------------- logprobs

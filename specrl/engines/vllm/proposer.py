@@ -11,6 +11,10 @@ drafts (token trees, stored rollouts) where they live: `VLLMEngine.generate_with
 running request of vLLM's input batch to the call's request (the request id the engine gave it)
 and asks the drafter. The drafter's `DraftWidth` chooses k per step from the engine's own step
 times, as it does on the transformers engine.
+
+With vLLM's own suffix method in its place (`tree.method=suffix`, the anchor specrl's drafts are
+measured against), `SuffixCounter` only counts, per request, the drafts that method proposed and
+vLLM accepted.
 """
 
 from __future__ import annotations
@@ -24,12 +28,63 @@ import numpy as np
 from specrl.engines.protocol import Drafter, GenResult
 
 
+class DraftCounts:
+    """Per request of one engine call (numbered 0, 1, … in the order submitted; `rows_of` maps
+    vLLM's request ids to them): the decode steps it took part in, the draft tokens verified
+    for it and how many of those were accepted, read back from vLLM's steps: a row that was
+    proposed k draft tokens at one step and produced m tokens at the next accepted m - 1."""
+
+    def __init__(self, n: int) -> None:
+        self.rows_of: dict[str, int] = {}
+        self.forwards = [0] * n
+        self.draft_tokens = [0] * n
+        self.accepted_tokens = [0] * n
+        self._proposed: dict[str, int] = {}  # vLLM id → draft tokens proposed at the last step
+
+    def add(self, vllm_id: str, number: int) -> None:
+        self.rows_of[vllm_id] = number
+
+    def observe(
+        self, req_ids: Sequence[str | None], sampled: Sequence[Sequence[int]]
+    ) -> tuple[list[int], list[int]]:
+        """Count the step that just produced `sampled[row]` for each row of vLLM's input batch
+        (empty for a request still in a chunked prefill); return, over the rows that had been
+        proposed drafts, how many each was proposed and accepted."""
+        proposed, accepted = [], []
+        for row, tokens in enumerate(sampled):
+            k = self._proposed.pop(req_ids[row], 0)
+            number = self.rows_of.get(req_ids[row])
+            if number is None or not tokens:
+                continue
+            self.forwards[number] += 1
+            if k:
+                proposed.append(k)
+                accepted.append(min(len(tokens) - 1, k))
+                self.draft_tokens[number] += k
+                self.accepted_tokens[number] += accepted[-1]
+        self._proposed.clear()  # requests that finished or were preempted
+        return proposed, accepted
+
+    def proposing(self, req_ids: Sequence[str | None], drafts: Sequence[Sequence[int]]) -> None:
+        """The drafts the next step verifies, per row."""
+        for row, draft in enumerate(drafts):
+            if draft and req_ids[row] in self.rows_of:
+                self._proposed[req_ids[row]] = len(draft)
+
+    def count(self, number: int, result: GenResult) -> None:
+        """Add request `number`'s forwards and draft counts. vLLM asks for drafts after every
+        step that sampled for a request, its prefill's included, so the steps it observed are
+        all of the request's forwards."""
+        result.forwards += self.forwards[number]
+        result.draft_tokens += self.draft_tokens[number]
+        result.accepted_tokens += self.accepted_tokens[number]
+
+
 class DraftSession:
-    """The drafts of one `generate_with_drafts` call. Its vLLM requests are numbered 0, 1, …
-    in the order submitted; each continues the drafter's request `index` (from the position
-    `start` of its token ids on: the drafter's new tokens) and may decode up to `budget` new
-    tokens. The session keeps vLLM's request id of each, what each was proposed at the last
-    step, and per request counts for its `GenResult`."""
+    """The drafts of one `generate_with_drafts` call. Each of its vLLM requests continues the
+    drafter's request `index` (from the position `start` of its token ids on: the drafter's new
+    tokens) and may decode up to `budget` new tokens; `counts` numbers them in the order
+    submitted."""
 
     def __init__(
         self, drafter: Drafter, max_tokens: int, requests: Sequence[tuple[int, int, int]]
@@ -38,16 +93,9 @@ class DraftSession:
         self.drafter = drafter
         self.max_tokens = min(max_tokens, drafter.max_tokens)
         self.targets = list(requests)
-        self.rows_of: dict[str, int] = {}  # vLLM request id → its number in this session
-        self.forwards = [0] * len(requests)
-        self.draft_tokens = [0] * len(requests)
-        self.accepted_tokens = [0] * len(requests)
-        self._proposed: dict[str, int] = {}  # vLLM id → draft tokens proposed at the last step
+        self.counts = DraftCounts(len(requests))
         self._fed = 0  # tokens the last step's forward computes: one per request, plus drafts
         self._last_call: float | None = None
-
-    def add(self, vllm_id: str, number: int) -> None:
-        self.rows_of[vllm_id] = number
 
     def finished(self, number: int, token_ids: Sequence[int]) -> None:
         """vLLM request `number` finished with these token ids (context included)."""
@@ -69,11 +117,10 @@ class DraftSession:
         worthwhile = self.drafter.worthwhile(len(sampled))
         rows, proposals = [], []
         for row, tokens in enumerate(sampled):
-            number = self.rows_of.get(req_ids[row]) if tokens else None
+            number = self.counts.rows_of.get(req_ids[row]) if tokens else None
             if number is None:
                 continue
             index, start, budget = self.targets[number]
-            self.forwards[number] += 1
             new_tokens = token_ids[row, start : num_tokens[row]].tolist()
             room = min(self.max_tokens, budget - len(new_tokens) - 1)
             rows.append(row)
@@ -84,35 +131,18 @@ class DraftSession:
         drafts: list[list[int]] = [[] for _ in sampled]
         for row, proposal in zip(rows, proposals, strict=True):
             drafts[row] = proposal[:k]
-            if drafts[row]:
-                self._proposed[req_ids[row]] = len(drafts[row])
+        self.counts.proposing(req_ids, drafts)
         self._fed = len(sampled) + sum(len(d) for d in drafts)
         self._last_call = time.perf_counter()
         return drafts
 
     def _observe(self, req_ids: Sequence[str | None], sampled: Sequence[Sequence[int]], now: float):
-        """What the last step did with the drafts it verified (a row that got k drafts and
-        produced m tokens accepted m - 1 of them), and how long it took: from the end of the
-        last call to this one, one engine step (the first call follows the prefill, which is
-        not a decode step: nothing to observe)."""
-        proposed, accepted = [], []
-        for row, tokens in enumerate(sampled):
-            k = self._proposed.pop(req_ids[row], 0)
-            if k and tokens:
-                number = self.rows_of[req_ids[row]]
-                proposed.append(k)
-                accepted.append(min(len(tokens) - 1, k))
-                self.draft_tokens[number] += k
-                self.accepted_tokens[number] += accepted[-1]
-        self._proposed.clear()  # requests that finished or were preempted
+        """What the last step did with the drafts it verified, and how long it took: from the
+        end of the last call to this one, one engine step (the first call follows the prefill,
+        which is not a decode step: nothing to observe)."""
+        proposed, accepted = self.counts.observe(req_ids, sampled)
         if self._last_call is not None:
             self.drafter.observe(proposed, accepted, self._fed, now - self._last_call)
-
-    def count(self, number: int, result: GenResult) -> None:
-        """Add vLLM request `number`'s forwards (its prefill included) and draft counts."""
-        result.forwards += self.forwards[number] + 1
-        result.draft_tokens += self.draft_tokens[number]
-        result.accepted_tokens += self.accepted_tokens[number]
 
 
 class Proposer:
@@ -148,3 +178,30 @@ def attach(worker: Any) -> Proposer:
     runner = worker.model_runner
     runner.drafter.runner = runner
     return runner.drafter
+
+
+class SuffixCounter:
+    """Counts the drafts of vLLM's own suffix proposer (`speculative_config={"method":
+    "suffix"}`) per request of an engine call, while `counts` is set. Its `propose` is wrapped,
+    not changed: vLLM's method drafts as it would without specrl."""
+
+    def __init__(self, drafter: Any) -> None:
+        self.counts: DraftCounts | None = None
+        self._propose = drafter.propose
+        drafter.propose = self.propose
+
+    def propose(
+        self, num_speculative_tokens: int, input_batch: Any, sampled_token_ids: Any, **kwargs: Any
+    ) -> list[list[int]]:
+        if self.counts is not None:
+            self.counts.observe(input_batch.req_ids, sampled_token_ids)
+        drafts = self._propose(num_speculative_tokens, input_batch, sampled_token_ids, **kwargs)
+        if self.counts is not None:
+            self.counts.proposing(input_batch.req_ids, drafts)
+        return drafts
+
+
+def count_suffix_drafts(worker: Any) -> SuffixCounter:
+    """Run in vLLM's worker (`LLM.collective_rpc`): wrap the suffix proposer of its model
+    runner with a `SuffixCounter` and hand that back (one process)."""
+    return SuffixCounter(worker.model_runner.drafter)
