@@ -13,7 +13,7 @@ def plot_metrics(
     title: str | None = None,
 ) -> None:
     """One panel per (metric, title) that some history logs (a vanilla run logs no reused
-    token ratio, say), one line per history."""
+    token ratio, say), one line per history, in the same colour in every panel."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -25,13 +25,15 @@ def plot_metrics(
     fig, axes = plt.subplots(rows, columns, figsize=(11, 3.5 * rows), squeeze=False)
     for ax in axes.flat[len(panels) :]:
         ax.set_visible(False)
+    colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     for ax, (key, panel_title) in zip(axes.flat, panels, strict=False):
-        for label, history in histories.items():
+        for number, (label, history) in enumerate(histories.items()):
             points = [(m["training/global_step"], m[key]) for m in history if key in m]
             if points:
                 ax.plot(
                     *zip(*points, strict=True),
                     label=label,
+                    color=colours[number % len(colours)],
                     marker="." if key.startswith("val/") else None,
                 )
         ax.set_title(panel_title)
