@@ -6,8 +6,9 @@ spec-in-decoding (spec with `rollout.spec.verify_mode=decoding`: stored drafts v
 decoding, exact rule), tree (specrl's token-tree drafts only), spec+tree (both, whatever the
 config), suffix (vLLM's own suffix decoding, `rollout.spec.tree.method=suffix`, no prefix reuse:
 the anchor on the vllm engine) and spec+suffix (prefix reuse verified by a scoring pass, the
-rest drafted by vLLM's suffix decoding); the default is vanilla and spec, `--arms` picks others. `--seeds 1,2,3` trains every arm once per
-seed: one run's final accuracy on a small held-out set moves by a few points from seed to seed.
+rest drafted by vLLM's suffix decoding); the default is vanilla and spec, `--arms` picks others.
+`--seeds 1,2,3` trains every arm once per seed: one run's final accuracy on a small held-out set
+moves by a few points from seed to seed.
 
 Writes DIR/bench.json and DIR/bench.png. Speeds are totals over the whole run, measured with
 wall clocks around the rollout stage (verification included) and around whole steps.
