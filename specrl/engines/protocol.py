@@ -6,6 +6,8 @@ by whoever needs it (the speculative stage, the trainer):
 
 - `draft_decoding`: `generate_with_drafts(requests, drafter, prefixes)` verifies up to K draft
   tokens per sequence in each decode forward (model-free speculative decoding);
+- `ragged_drafts` (with `draft_decoding`): a forward computes each sequence's own drafts, not K
+  positions for every sequence (vLLM's speculative decoding; the transformers engine pads);
 - `residual_sampling`: `GenRequest.excluded_token` is honoured (the first new token is drawn
   with that token removed and renormalised: the exact acceptance rule's residual);
 - `prefix_reuse`: `new_prefixes()` returns a `Prefixes` handle. `logprobs(..., prefixes=h)` keeps
@@ -93,6 +95,7 @@ class Capabilities:
     prefix_reuse: bool = False
     sleep: bool = False
     own_drafts: bool = False
+    ragged_drafts: bool = False
 
 
 class Prefixes(Protocol):
@@ -103,7 +106,8 @@ class Prefixes(Protocol):
 class Drafter(Protocol):
     """Draft tokens for `generate_with_drafts` and the number K to verify per forward. The engine
     calls, per decode forward: `worthwhile(B)`, then `propose` per sequence, `choose` once, and
-    `observe` with what was accepted and how long the forward took; `finished` per sequence."""
+    `observe` with what was accepted, how many sequences and positions the forward computed and
+    how long it took; `finished` per sequence."""
 
     max_tokens: int
 
@@ -114,7 +118,12 @@ class Drafter(Protocol):
     def choose(self, lengths: Sequence[int]) -> int: ...
 
     def observe(
-        self, proposed: Sequence[int], accepted: Sequence[int], fed_tokens: int, seconds: float
+        self,
+        proposed: Sequence[int],
+        accepted: Sequence[int],
+        sequences: int,
+        fed_tokens: int,
+        seconds: float,
     ) -> None: ...
 
     def finished(self, request: int, new_tokens: Sequence[int]) -> None: ...

@@ -33,47 +33,55 @@ class DraftWidth:
     """Chooses K, the draft tokens verified per sequence in a decode forward, to maximise expected
     tokens per second.
 
-    A forward over B sequences with K drafts computes B·(K+1) tokens and costs c0 + c1·B·(K+1)
-    seconds; c0 and c1 are fitted (exponentially weighted least squares) to the engine's own
-    decode forwards. A sequence whose source proposed L tokens produces 1 + α + … + α^min(L, K)
-    tokens in expectation, α being the measured per-token acceptance rate. With a large batch and
-    low acceptance the best K is 0; in the long tail of a batch, where c0 dominates, it is large.
-    `adaptive=False` always takes every proposed token up to `max_tokens`.
+    A forward over B sequences that computes E draft positions besides their B next tokens costs
+    c0 + cs·B + cd·E seconds: a cost per forward, one per sequence (its token, its sampling, the
+    engine's bookkeeping: most of a vLLM step on a CPU) and one per draft position. E is B·K on
+    an engine that pads every sequence to K drafts, the drafts themselves on a `ragged` one. The
+    three are fitted (exponentially weighted least squares) to the engine's own decode forwards.
+    A sequence whose source proposed L tokens produces 1 + α + … + α^min(L, K) tokens in
+    expectation, α being the measured per-token acceptance rate. With a large batch and drafts
+    that cost as much as sequences the best K is 0; in the long tail of a batch, where c0
+    dominates, it is large. cd is only measured by forwards that verify drafts: while none has
+    been seen lately (their weight decays with the cost), the next forward with proposals
+    verifies one draft token per sequence to measure it and α. `adaptive=False` always takes
+    every proposed token up to `max_tokens`.
     """
 
     def __init__(
         self,
         max_tokens: int,
         adaptive: bool = True,
+        ragged: bool = False,
         cost_decay: float = 0.98,
         acceptance_decay: float = 0.8,
     ) -> None:
         self.max_tokens = max_tokens
         self.adaptive = adaptive
+        self.ragged = ragged
         self.cost_decay = cost_decay  # the cost of a forward drifts slowly
         self.acceptance_decay = acceptance_decay  # acceptance moves fast (a new round of trees)
-        self._fit = np.zeros(5)  # weighted sums of 1, n, t, n², n·t over forwards
-        self._trials, self._accepted = (
-            0.0,
-            0.0,
-        )  # decayed evidence; α = (accepted + 1) / (trials + 2)
+        self._sums = np.zeros((3, 4))  # weighted sums of x·[x, t] over forwards, x = (1, B, E)
+        self._drafted = 0.0  # weighted count of forwards that verified drafts
+        self._trials, self._accepted = 0.0, 0.0  # decayed evidence; α = (accepted+1)/(trials+2)
         self.choices: Counter[int] = Counter()  # K chosen per forward, since the last reset
 
     @property
     def acceptance(self) -> float:
         return (self._accepted + 1) / (self._trials + 2)
 
-    def cost(self) -> tuple[float, float] | None:
-        """(c0, c1), or None until the forwards seen differ enough in size to separate them."""
-        w, n, t, nn, nt = self._fit
-        if w < 4:
+    def cost(self) -> tuple[float, float, float | None] | None:
+        """(c0, cs, cd): cd is None until forwards with drafts measured it; None until the
+        forwards seen differ enough in batch size to separate c0 from cs."""
+        xx, xt = self._sums[:, :3], self._sums[:, 3]
+        if xx[0, 0] < 4:
             return None
-        var = nn / w - (n / w) ** 2
-        if var <= 1e-9 * max(nn / w, 1.0):
+        measured = 3 if self._drafted >= 0.5 else 2
+        a, b = xx[:measured, :measured], xt[:measured]
+        scale = np.sqrt(np.diag(a))
+        if scale.min() <= 0 or np.linalg.cond(a / np.outer(scale, scale)) > 1e8:
             return None
-        c1 = (nt / w - (n / w) * (t / w)) / var
-        c0 = t / w - c1 * n / w
-        return max(c0, 0.0), max(c1, 1e-12)
+        c = np.linalg.solve(a, b)
+        return max(c[0], 0.0), max(c[1], 1e-12), max(c[2], 1e-12) if measured == 3 else None
 
     def choose(self, lengths: Sequence[int]) -> int:
         """K for a forward whose sequences were proposed `lengths` draft tokens."""
@@ -93,34 +101,49 @@ class DraftWidth:
         cost = self.cost()
         if cost is None:  # not measured yet: decode plainly (the forwards it sees fit the model)
             return 0
-        c0, c1 = cost
+        c0, cs, cd = cost
+        if cd is None:  # drafts not measured lately: verify one per sequence
+            return 1
         alpha = min(self.acceptance, 0.999)
         caps = np.minimum(np.asarray(lengths), longest)[None, :]
         widths = np.arange(longest + 1)[:, None]
         expected = (1 - alpha ** (np.minimum(caps, widths) + 1)) / (1 - alpha)  # [K+1, B]
-        seconds = c0 + c1 * len(lengths) * (widths[:, 0] + 1)
+        drafts = np.minimum(caps, widths).sum(1) if self.ragged else widths[:, 0] * len(lengths)
+        seconds = c0 + cs * len(lengths) + cd * drafts
         return int(np.argmax(expected.sum(1) / seconds))
 
-    def observe_forward(self, tokens: int, seconds: float) -> None:
-        self._fit = self.cost_decay * self._fit + np.array(
-            [1.0, tokens, seconds, tokens * tokens, tokens * seconds]
-        )
+    def observe_forward(self, sequences: int, fed_tokens: int, seconds: float) -> None:
+        """A decode forward over `sequences` sequences computed `fed_tokens` positions."""
+        x = np.array([1.0, sequences, fed_tokens - sequences])
+        self._sums = self.cost_decay * self._sums + np.outer(x, np.append(x, seconds))
+        self._drafted = self.cost_decay * self._drafted + (fed_tokens > sequences)
 
     def observe_drafts(self, proposed: Sequence[int], accepted: Sequence[int]) -> None:
         """Per sequence of one forward: draft tokens verified and how many of them were accepted.
         Each accepted token is a success, the first rejected one (if any) a failure. Evidence
         decays every forward, with or without drafts, so after a stretch without speculation α
-        drifts back to the prior 1/2 and drafts get tried again (acceptance changes abruptly,
-        e.g. when prompts with older trees come up)."""
+        drifts back to the prior 1/2 (acceptance changes abruptly, e.g. when prompts with older
+        trees come up)."""
         trials = sum(a + (a < p) for p, a in zip(proposed, accepted, strict=True) if p > 0)
         self._trials = self.acceptance_decay * self._trials + trials
         self._accepted = self.acceptance_decay * self._accepted + sum(accepted)
 
     def state_dict(self) -> dict[str, Any]:
-        return {"fit": self._fit.copy(), "trials": self._trials, "accepted": self._accepted}
+        return {
+            "cost_sums": self._sums.copy(),
+            "drafted": self._drafted,
+            "trials": self._trials,
+            "accepted": self._accepted,
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self._fit = np.asarray(state["fit"], dtype=np.float64).copy()
+        """A checkpoint from before the per-sequence cost term (`fit`, c0 + c1·tokens) restarts
+        the cost fit: it is measured again within a few forwards."""
+        if "cost_sums" in state:
+            self._sums = np.asarray(state["cost_sums"], dtype=np.float64).copy()
+            self._drafted = float(state["drafted"])
+        else:
+            self._sums, self._drafted = np.zeros((3, 4)), 0.0
         self._trials, self._accepted = float(state["trials"]), float(state["accepted"])
 
     def reset_choices(self) -> Counter[int]:
@@ -149,10 +172,15 @@ class Drafting:
         return self.width.choose(lengths)
 
     def observe(
-        self, proposed: Sequence[int], accepted: Sequence[int], fed_tokens: int, seconds: float
+        self,
+        proposed: Sequence[int],
+        accepted: Sequence[int],
+        sequences: int,
+        fed_tokens: int,
+        seconds: float,
     ) -> None:
         self.width.observe_drafts(proposed, accepted)
-        self.width.observe_forward(fed_tokens, seconds)
+        self.width.observe_forward(sequences, fed_tokens, seconds)
 
     def finished(self, request: int, new_tokens: Sequence[int]) -> None:
         self.source.finished(request, new_tokens)

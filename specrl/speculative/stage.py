@@ -169,7 +169,9 @@ class SpeculativeStage:
         self.tree = TokenTree(cfg.tree.window, cfg.tree.max_nodes) if uses_tree else None
         # the engine's results count drafts: specrl's (trees, stored drafts) or the engine's own
         self.counts_drafts = self.tree is not None or self.in_decoding or capabilities.own_drafts
-        self.draft_width = DraftWidth(cfg.tree.max_draft_tokens, cfg.tree.adaptive)
+        self.draft_width = DraftWidth(
+            cfg.tree.max_draft_tokens, cfg.tree.adaptive, capabilities.ragged_drafts
+        )
 
     @property
     def lenient(self) -> bool:

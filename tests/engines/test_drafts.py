@@ -103,13 +103,19 @@ def test_rejected_draft_columns_are_dropped_from_the_cache(engine, monkeypatch):
     assert len(calls) >= 2
 
 
+def measured(width, per_sequence, per_draft, batches=(1, 4, 16, 64, 256, 512)):
+    """Forwards without drafts, then with one draft per sequence, costing 1 ms + per_sequence
+    per sequence + per_draft per draft position."""
+    for k in (0, 1):
+        for b in batches:
+            width.observe_forward(b, b * (k + 1), 1e-3 + per_sequence * b + per_draft * b * k)
+
+
 def test_draft_width_speculates_in_the_tail_not_in_a_large_batch():
     width = DraftWidth(8)
     assert width.choose([8, 8]) == 0  # no cost data yet: decode plainly while measuring
-    for tokens in (1, 4, 16, 64, 256, 512):  # a forward costs 1 ms + 40 µs per token
-        width.observe_forward(tokens, 1e-3 + 4e-5 * tokens)
-    c0, c1 = width.cost()
-    assert c0 == pytest.approx(1e-3) and c1 == pytest.approx(4e-5)
+    measured(width, 4e-5, 4e-5)  # a draft position costs what a sequence does (transformers)
+    assert width.cost() == pytest.approx((1e-3, 4e-5, 4e-5))
     width.observe_drafts([8] * 100, [2] * 100)  # α ≈ 2/3
     assert width.choose([8] * 256) == 0  # compute-bound: extra tokens cost more than they yield
     assert width.choose([8]) >= 4  # overhead-bound tail: speculate
@@ -118,3 +124,57 @@ def test_draft_width_speculates_in_the_tail_not_in_a_large_batch():
     assert width.acceptance < 0.05
     assert width.choose([8]) == 0
     assert sum(width.reset_choices().values()) == 4 and not width.choices
+
+
+def test_draft_width_speculates_in_a_large_batch_when_drafts_cost_less_than_sequences():
+    """vLLM on a CPU: most of a step is per request (scheduling, sampling), a draft position
+    costs a fraction of that. A model fitted to tokens alone booked the per-request cost to
+    every token and never drafted in a full batch."""
+    width = DraftWidth(8)
+    measured(width, 4e-5, 4e-6)
+    width.observe_drafts([8] * 100, [5] * 100)
+    assert width.choose([8] * 256) >= 4
+
+
+def test_draft_width_measures_drafts_before_trusting_their_cost():
+    """Until forwards with drafts were seen, every forward with proposals verifies one draft per
+    sequence (its cost and the acceptance get measured); once their evidence has decayed, it
+    does so again."""
+    width = DraftWidth(8)
+    for b in (1, 4, 16, 64, 256, 512):
+        width.observe_forward(b, b, 1e-3 + 4e-5 * b)
+    assert width.cost()[2] is None
+    assert width.worthwhile(256) and width.choose([8] * 256) == 1
+    assert width.choose([0] * 256) == 0  # nothing proposed: nothing to measure
+    width.observe_forward(256, 512, 1e-3 + 8e-5 * 256)  # the draft cost a sequence's worth
+    width.observe_drafts([1] * 256, [0] * 256)
+    assert width.cost() == pytest.approx((1e-3, 4e-5, 4e-5))
+    assert width.choose([8] * 256) == 0
+    for _ in range(40):
+        width.observe_forward(256, 256, 1e-3 + 4e-5 * 256)
+    assert width.choose([8] * 256) == 1
+
+
+def test_ragged_draft_width_charges_only_the_drafts_proposed():
+    """A few sequences still on their stored draft in a full batch: on an engine that pads, K
+    drafts cost K positions for every sequence; on vLLM only the proposed ones."""
+    lengths = [8] * 16 + [0] * 240
+    choices = {}
+    for ragged in (False, True):
+        width = DraftWidth(8, ragged=ragged)
+        measured(width, 4e-5, 1e-5)
+        width.observe_drafts([8] * 100, [7] * 100)
+        choices[ragged] = width.choose(lengths)
+    assert choices == {False: 0, True: 8}
+
+
+def test_draft_width_state_round_trips_and_an_old_checkpoint_restarts_the_cost_fit():
+    width = DraftWidth(8)
+    measured(width, 4e-5, 4e-6)
+    width.observe_drafts([8] * 10, [3] * 10)
+    again = DraftWidth(8)
+    again.load_state_dict(width.state_dict())
+    assert again.cost() == width.cost() and again.acceptance == width.acceptance
+    old = {"fit": [1.0] * 5, "trials": 20.0, "accepted": 10.0}
+    again.load_state_dict(old)
+    assert again.cost() is None and again.acceptance == pytest.approx(11 / 22)

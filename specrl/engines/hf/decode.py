@@ -120,7 +120,11 @@ class Decoder:
                     drafter.finished(indices[row], results[row].token_ids)
             if drafter is not None:
                 drafter.observe(
-                    proposed.tolist(), accepted.tolist(), fed.numel(), time.perf_counter() - started
+                    proposed.tolist(),
+                    accepted.tolist(),
+                    len(proposed),
+                    fed.numel(),
+                    time.perf_counter() - started,
                 )
             if bool(finished.all()):
                 return results

@@ -165,7 +165,11 @@ class VLLMEngine:
             cpu_kernels.register()
         specrl_drafts = draft_tokens > 0 and not suffix
         self.capabilities = Capabilities(
-            draft_decoding=specrl_drafts, residual_sampling=True, sleep=True, own_drafts=suffix
+            draft_decoding=specrl_drafts,
+            ragged_drafts=specrl_drafts,
+            residual_sampling=True,
+            sleep=True,
+            own_drafts=suffix,
         )
         self.proposer: Proposer | None = (
             self.llm.collective_rpc(attach)[0] if specrl_drafts else None

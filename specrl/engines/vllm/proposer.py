@@ -94,7 +94,7 @@ class DraftSession:
         self.max_tokens = min(max_tokens, drafter.max_tokens)
         self.targets = list(requests)
         self.counts = DraftCounts(len(requests))
-        self._fed = 0  # tokens the last step's forward computes: one per request, plus drafts
+        self._rows, self._fed = 0, 0  # the next step's requests, and its tokens (plus drafts)
         self._last_call: float | None = None
 
     def finished(self, number: int, token_ids: Sequence[int]) -> None:
@@ -132,7 +132,7 @@ class DraftSession:
         for row, proposal in zip(rows, proposals, strict=True):
             drafts[row] = proposal[:k]
         self.counts.proposing(req_ids, drafts)
-        self._fed = len(sampled) + sum(len(d) for d in drafts)
+        self._rows, self._fed = len(sampled), len(sampled) + sum(len(d) for d in drafts)
         self._last_call = time.perf_counter()
         return drafts
 
@@ -142,7 +142,7 @@ class DraftSession:
         which is not a decode step: nothing to observe)."""
         proposed, accepted = self.counts.observe(req_ids, sampled)
         if self._last_call is not None:
-            self.drafter.observe(proposed, accepted, self._fed, now - self._last_call)
+            self.drafter.observe(proposed, accepted, self._rows, self._fed, now - self._last_call)
 
 
 class Proposer:
