@@ -88,7 +88,11 @@ def main() -> None:
             for name, h in histories.items()
         },
         "cost_model_s": dict(
-            zip(("c0", "c1"), stages["tree (adaptive K)"].draft_width.cost() or (), strict=False)
+            zip(
+                ("c0", "cs", "cd"),
+                stages["tree (adaptive K)"].draft_width.cost() or (),
+                strict=False,
+            )
         ),
         "identical_rollouts": identical,  # drafts must never change the sampled tokens
         "engine": f"hf (transformers {transformers.__version__}, torch {torch.__version__})",
