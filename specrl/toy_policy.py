@@ -1,6 +1,12 @@
-"""The embedded default policy: a character tokenizer and a tiny Qwen2 model, warm-started by
-supervised training on imperfect arithmetic traces (see data/arithmetic.py), built locally and
-cached. Nothing is downloaded; nothing binary is committed.
+"""The embedded default policies: a character tokenizer and a tiny Qwen2 model, warm-started by
+supervised training on imperfect arithmetic traces (see data/arithmetic.py).
+
+The default build of each built-in task ships inside the package (`specrl/policies/<task>/`, 4 MB
+each, built by `specrl toy-policy --force` on a 2-core CPU and checked here against the checksum
+in its build.json), so every machine starts from the same weights: a build is not reproducible
+across CPUs (float reduction order). Any other spec, or `--force`, builds into the cache
+(`SPECRL_CACHE`, default ~/.cache/specrl), one process at a time: a second process that needs
+the same build waits for the first's and reuses it. Nothing is downloaded.
 """
 
 from __future__ import annotations
@@ -15,6 +21,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
+from filelock import FileLock, Timeout
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 
@@ -24,6 +31,7 @@ from specrl.engines import GREEDY, GenRequest
 from specrl.engines.hf import HFEngine
 from specrl.episodes.env import load_environment
 from specrl.episodes.runner import EpisodeLoop, sampled_turns
+from specrl.errors import UserError
 from specrl.speculative.stage import sample_rollouts
 from specrl.types import Prompt
 
@@ -54,6 +62,14 @@ class ToyPolicySpec:
         return "-".join(f"{v}" for v in asdict(self).values()) + f"-{digest}"
 
 
+SHIPPED = Path(__file__).parent / "policies"
+WEIGHTS = "model.safetensors"
+
+
+class ShippedPolicyError(UserError):
+    """A policy shipped with the package does not match its build.json."""
+
+
 def cache_root() -> Path:
     return Path(os.environ.get("SPECRL_CACHE", Path.home() / ".cache" / "specrl"))
 
@@ -62,14 +78,58 @@ def toy_policy_path(spec: ToyPolicySpec = ToyPolicySpec()) -> Path:
     return cache_root() / f"toy-policy-{spec.key()}"
 
 
+def shipped_policy_path(spec: ToyPolicySpec) -> Path | None:
+    """The package's build of `spec`, if it ships one (the default spec of each task does)."""
+    path = SHIPPED / spec.task
+    if not (path / "build.json").is_file():
+        return None
+    report = json.loads((path / "build.json").read_text())
+    return path if report["spec"] == asdict(spec) else None
+
+
+def weights_digest(path: Path) -> str:
+    return hashlib.sha256((path / WEIGHTS).read_bytes()).hexdigest()
+
+
 def ensure_toy_policy(
     spec: ToyPolicySpec = ToyPolicySpec(), force: bool = False, log=print
 ) -> Path:
-    """Return the cached policy directory, building it first when missing (or when `force`)."""
+    """The policy directory of `spec`: the package's build when it ships one (checked against
+    its checksum), else the cache's, built first when missing; `force` builds afresh into the
+    cache."""
+    shipped = None if force else shipped_policy_path(spec)
+    if shipped is not None:
+        expected = json.loads((shipped / "build.json").read_text())["weights_sha256"]
+        if weights_digest(shipped) != expected:
+            raise ShippedPolicyError(
+                f"the built-in policy {shipped} does not match the checksum in its build.json "
+                "(a damaged install): reinstall specrl, or build one with `specrl toy-policy "
+                f"--force --task {spec.task}` and pass its path as model.path"
+            )
+        return shipped
     path = toy_policy_path(spec)
     if (path / "build.json").is_file() and not force:
         return path
-    log(f"building the built-in tiny policy into {path} (cached; about 3 minutes on 2 cores)")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    lock = FileLock(path.with_name(path.name + ".lock"))
+    try:
+        lock.acquire(blocking=False)
+    except Timeout:
+        log(f"another process is building the tiny policy into {path}: waiting for it")
+        lock.acquire()
+    try:
+        if (path / "build.json").is_file() and not force:
+            log(f"the other process built it: using {path}")
+        else:
+            _build_into(path, spec, log)
+    finally:
+        lock.release()
+    return path
+
+
+def _build_into(path: Path, spec: ToyPolicySpec, log) -> None:
+    minutes = 9 if spec.task in arithmetic.MULTI_TURN_TASKS else 3
+    log(f"building the tiny policy into {path} (cached; about {minutes} minutes on 2 cores)")
     staging = path.with_name(path.name + f".tmp{os.getpid()}")
     shutil.rmtree(staging, ignore_errors=True)
     report = build_toy_policy(staging, spec, log)
@@ -80,9 +140,9 @@ def ensure_toy_policy(
     shutil.rmtree(path, ignore_errors=True)
     staging.rename(path)
     log(
-        f"built: held-out greedy accuracy {report['val_acc']:.1%}, mean response length {report['mean_response_length']:.1f} tokens"
+        f"built: held-out greedy accuracy {report['val_acc']:.1%}, mean response length "
+        f"{report['mean_response_length']:.1f} tokens"
     )
-    return path
 
 
 def build_tokenizer() -> PreTrainedTokenizerFast:
@@ -124,6 +184,7 @@ def build_toy_policy(out: Path, spec: ToyPolicySpec, log=print) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
+    report["weights_sha256"] = weights_digest(out)
     (out / "build.json").write_text(json.dumps(report, indent=2))
     return report
 
