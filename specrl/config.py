@@ -156,6 +156,15 @@ class SpecConfig(Section):
     )
     tree: TreeConfig = Field(default_factory=TreeConfig)
 
+    def walks_tries(self, trie_scoring: bool) -> bool:
+        """Whether slots walk their prompts' history tries, on an engine that does (or not)
+        score tries: `reuse` as set, auto resolved."""
+        if not self.enabled:
+            return False
+        if self.reuse != "auto":
+            return self.reuse == "trie"
+        return self.acceptance == "exact" and trie_scoring
+
     def uses_tree(self) -> bool:
         """Whether token-tree drafts are in effect: `auto` uses them for what speculative
         rollouts decode."""
@@ -572,9 +581,8 @@ class Config(Section):
             on_vllm = self.rollout.name == "vllm" and spec.acceptance == "exact"
             specrl_drafts = spec.tree.method == "specrl"
             spec.verify_mode = "decoding" if on_vllm and specrl_drafts else "full"
-        if spec.reuse == "auto":
-            exact = spec.acceptance == "exact"
-            spec.reuse = "trie" if exact and self.rollout.name == "hf" else "slot"
+        if spec.reuse == "auto":  # the hf engine scores tries
+            spec.reuse = "trie" if spec.walks_tries(self.rollout.name == "hf") else "slot"
         return self
 
     @model_validator(mode="after")

@@ -216,7 +216,7 @@ class SpeculativeStage:
                 "rollout.spec.tree.method=suffix needs an engine that drafts with vLLM's suffix "
                 "decoding (a vllm engine built with draft_method=suffix)"
             )
-        self.walks = cfg.enabled and cfg.reuse == "trie"
+        self.walks = cfg.walks_tries(capabilities.trie_scoring)
         if self.walks and not capabilities.trie_scoring:
             raise UserError(
                 "rollout.spec.reuse=trie needs an engine that scores tries in one pass (hf); "
