@@ -1,12 +1,14 @@
 """`specrl bench`: vanilla and speculative training, same config, seed and data, one process.
 
-Arms: vanilla, spec (speculative rollouts as configured: SPEC-RL prefix reuse, with token-tree
-drafts for the decoded tokens where `rollout.spec.tree.enabled` says so, by default),
-spec-in-decoding (spec with `rollout.spec.verify_mode=decoding`: stored drafts verified inside
+Arms: vanilla, spec (SPEC-RL: each slot verifies its own stored draft, `rollout.spec.reuse=slot`,
+with token-tree drafts for the decoded tokens where `rollout.spec.tree.enabled` says so, by
+default), trie (every slot walks its prompt's history trie, `reuse=trie`, the exact rule's default
+on the transformers engine; tree drafts as configured), spec-in-decoding (spec with `rollout.spec.verify_mode=decoding`: stored drafts verified inside
 decoding, exact rule), tree (specrl's token-tree drafts only), spec+tree (both, whatever the
 config), suffix (vLLM's own suffix decoding, `rollout.spec.tree.method=suffix`, no prefix reuse:
 the anchor on the vllm engine) and spec+suffix (prefix reuse verified by a scoring pass, the
-rest drafted by vLLM's suffix decoding); the default is vanilla and spec, `--arms` picks others.
+rest drafted by vLLM's suffix decoding); the default is vanilla, spec and trie (vanilla and
+spec on vLLM), `--arms` picks others.
 `--seeds 1,2,3` trains every arm once per seed: one run's final accuracy on a small held-out set
 moves by a few points from seed to seed.
 
@@ -35,16 +37,24 @@ from specrl.trainer import Trainer
 
 SPECRL_TREES = {"tree.enabled": True, "tree.method": "specrl"}
 SUFFIX = {"tree.enabled": True, "tree.method": "suffix", "verify_mode": "full"}
+SLOT = {"enabled": True, "reuse": "slot"}
 ARMS = {  # arm → what it sets under rollout.spec (the rest as configured)
     "vanilla": {"enabled": False, "tree.enabled": False},
-    "spec": {"enabled": True},
-    "spec-in-decoding": {"enabled": True, "verify_mode": "decoding", "tree.method": "specrl"},
+    "spec": SLOT,
+    "trie": {"enabled": True, "reuse": "trie"},
+    "spec-in-decoding": {**SLOT, "verify_mode": "decoding", "tree.method": "specrl"},
     "tree": {"enabled": False, **SPECRL_TREES},
-    "spec+tree": {"enabled": True, **SPECRL_TREES},
+    "spec+tree": {**SLOT, **SPECRL_TREES},
     "suffix": {"enabled": False, **SUFFIX},
-    "spec+suffix": {"enabled": True, **SUFFIX},
+    "spec+suffix": {**SLOT, **SUFFIX},
 }
-DEFAULT_ARMS = ("vanilla", "spec")
+
+
+def default_arms(engine: str) -> tuple[str, ...]:
+    """vanilla, spec and trie; vanilla and spec on an engine that does not score tries."""
+    return ("vanilla", "spec", "trie") if engine == "hf" else ("vanilla", "spec")
+
+
 BENCH_PANELS = [
     ("timing_s/rollout", "rollout time per step (s)"),
     ("critic/score/mean", "reward (critic/score/mean)"),
@@ -80,13 +90,14 @@ def parse_seeds(text: str | None) -> list[int] | None:
 def run_bench(
     cfg: Config,
     out_dir: Path,
-    arms: Sequence[str] = DEFAULT_ARMS,
+    arms: Sequence[str] | None = None,
     seeds: Sequence[int] | None = None,
     log=print,
 ) -> dict[str, Any]:
     """Every arm once per seed (default: the config's `trainer.seed`); with several seeds each
     seed's runs go to DIR/seed<N>/<arm> and bench.json pools them (see `summarize`)."""
     seeds = list(seeds or [cfg.trainer.seed])
+    arms = arms or default_arms(cfg.rollout.name)
     for arm in arms:  # an arm the config cannot run stops the bench before any training
         arm_config(cfg, arm, seeds[0], out_dir)
     runs: dict[str, list[list[dict[str, float]]]] = {arm: [] for arm in arms}
@@ -141,7 +152,14 @@ def summarize(
         result["final_acc_vanilla"] = _mean(final["vanilla"])
         result["final_acc_spec"] = _mean(final["spec"])
     result["arms"] = {}
+    vanilla = totals["vanilla"]
+    decode_s = vanilla.gen_s / max(vanilla.decoded_tokens, 1)  # vanilla's seconds per token
     for arm, total in totals.items():
+        a = total.ratios()["spec/reused_token_ratio"]
+        # r_eff: seconds of verification (the scoring pass, or the trie pass and walk) per
+        # reused token, over vanilla's seconds per decoded token
+        r_eff = total.verify_s / max(total.reused_tokens, 1) / decode_s
+        per_step = len(steps[arm]) or 1
         summary = {
             "rollout_time_s": total.rollout_s,
             "step_time_s": step_time[arm],
@@ -149,8 +167,16 @@ def summarize(
             "step_speedup": step_time["vanilla"] / step_time[arm],
             "final_acc": _mean(final[arm]),
             "final_acc_per_seed": final[arm],
+            "second_half_acc": _mean([_second_half(h, "val/acc/mean@1") for h in runs[arm]]),
             "decoded_tokens": total.decoded_tokens,
-            "reused_token_ratio": total.ratios()["spec/reused_token_ratio"],
+            "decoded_token_ratio": total.decoded_tokens / max(vanilla.decoded_tokens, 1),
+            "reused_token_ratio": a,
+            "reused_token_ratio_per_epoch": _per_epoch(steps[arm]),
+            "verified_tokens_per_step": total.verified_tokens / per_step,
+            "trie_nodes_per_step": total.trie_nodes / per_step,
+            "verify_cost_per_reused_token": r_eff,
+            "limit_speedup": 1.0 / ((1.0 - a) + r_eff * a),
+            "slowest_slot_forwards_per_step": total.slowest_forwards / per_step,
         }
         if "spec" in totals and arm != "spec":
             summary["rollout_speedup_vs_spec"] = totals["spec"].rollout_s / total.rollout_s
@@ -239,6 +265,24 @@ def _episodes(steps: list[dict[str, float]]) -> dict[str, Any]:
             for t in turns
         }
     return out
+
+
+def _per_epoch(steps: list[dict[str, float]]) -> dict[int, float]:
+    """The reused token ratio of each epoch (0: the first, which has nothing to reuse)."""
+    epochs = sorted({int(m["training/epoch"]) for m in steps})
+    return {
+        e: RolloutStats.of_steps([m for m in steps if m["training/epoch"] == e]).ratios()[
+            "spec/reused_token_ratio"
+        ]
+        for e in epochs
+    }
+
+
+def _second_half(history: list[dict[str, float]], key: str) -> float | None:
+    """The mean of `key` over the evaluations of a run's second half (its last step's included)."""
+    last = max(m["training/global_step"] for m in history)
+    values = [m[key] for m in history if key in m and 2 * m["training/global_step"] > last]
+    return sum(values) / len(values) if values else None
 
 
 def _train_steps(history: list[dict[str, float]]) -> list[dict[str, float]]:

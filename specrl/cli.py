@@ -38,8 +38,8 @@ def main(argv: list[str] | None = None) -> int:
     bench.add_argument("--out", default="bench", help="output directory (default: bench)")
     bench.add_argument(
         "--arms",
-        default="vanilla,spec",
-        help="comma-separated arms among vanilla, spec, tree, spec+tree (default: vanilla,spec)",
+        help="comma-separated arms: vanilla and any of spec, trie, spec-in-decoding, tree, "
+        "spec+tree, suffix, spec+suffix (default: vanilla,spec,trie; vanilla,spec on vllm)",
     )
     bench.add_argument(
         "--seeds",
@@ -132,7 +132,7 @@ def _bench(
 
     from specrl.bench import parse_arms, parse_seeds, run_bench
 
-    arm_names, seed_list = parse_arms(arms), parse_seeds(seeds)
+    arm_names, seed_list = (parse_arms(arms) if arms else None), parse_seeds(seeds)
     cfg = load_config(config_path, overrides, log=_note)
     result = run_bench(cfg, Path(out), arm_names, seed_list)
     print(json.dumps(result, indent=2))

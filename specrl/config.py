@@ -137,6 +137,13 @@ class SpecConfig(Section):
         0.5,
         description="ln l for the specrl rule: -inf reuses nothing, +inf reuses every draft whole",
     )
+    reuse: Literal["auto", "trie", "slot"] = Field(
+        "auto",
+        description="what a slot reuses. trie: every slot walks its prompt's history trie (the "
+        "responses of all slots over the last tree.window rollouts, scored in one pass), "
+        "sampling each token as vanilla decoding would (exact rule only); slot: its own stored "
+        "draft (SPEC-RL). auto: trie under the exact rule on engines that score tries, else slot",
+    )
     verify_mode: Literal["auto", "full", "chunked", "decoding"] = Field(
         "auto",
         description="full: one pass over every draft; chunked: stop each draft at its first "
@@ -148,6 +155,15 @@ class SpecConfig(Section):
         16, ge=1, description="draft tokens per pass in chunked verification"
     )
     tree: TreeConfig = Field(default_factory=TreeConfig)
+
+    def walks_tries(self, trie_scoring: bool) -> bool:
+        """Whether slots walk their prompts' history tries, on an engine that does (or not)
+        score tries: `reuse` as set, auto resolved."""
+        if not self.enabled:
+            return False
+        if self.reuse != "auto":
+            return self.reuse == "trie"
+        return self.acceptance == "exact" and trie_scoring
 
     def uses_tree(self) -> bool:
         """Whether token-tree drafts are in effect: `auto` uses them for what speculative
@@ -565,6 +581,8 @@ class Config(Section):
             on_vllm = self.rollout.name == "vllm" and spec.acceptance == "exact"
             specrl_drafts = spec.tree.method == "specrl"
             spec.verify_mode = "decoding" if on_vllm and specrl_drafts else "full"
+        if spec.reuse == "auto":  # the hf engine scores tries
+            spec.reuse = "trie" if spec.walks_tries(self.rollout.name == "hf") else "slot"
         return self
 
     @model_validator(mode="after")
@@ -602,6 +620,17 @@ class Config(Section):
                 "rollout.spec.verify_mode=decoding verifies drafts inside decoding, with the "
                 "exact rule: set rollout.spec.acceptance=exact (the specrl rule needs the scoring "
                 "pass of full or chunked verification)"
+            )
+        if spec.reuse == "trie" and spec.acceptance != "exact":
+            raise ValueError(
+                "rollout.spec.reuse=trie samples every token as vanilla decoding would (the "
+                "exact rule): set rollout.spec.acceptance=exact, or reuse=slot for SPEC-RL's "
+                "lenient rule"
+            )
+        if spec.reuse == "trie" and self.rollout.name != "hf":
+            raise ValueError(
+                "rollout.spec.reuse=trie needs an engine that scores tries in one pass "
+                "(rollout.name=hf); on vllm use rollout.spec.reuse=slot"
             )
         if spec.tree.method == "suffix" and self.rollout.name != "vllm":
             raise ValueError(

@@ -8,6 +8,8 @@ from specrl.engines.protocol import (
     Prefixes,
     RolloutEngine,
     SamplingParams,
+    TrieRequest,
+    TrieScores,
 )
 
 __all__ = [
@@ -20,4 +22,6 @@ __all__ = [
     "Prefixes",
     "RolloutEngine",
     "SamplingParams",
+    "TrieRequest",
+    "TrieScores",
 ]

@@ -19,7 +19,13 @@ by whoever needs it (the speculative stage, the trainer):
 - `sleep`: `sleep()` / `wake_up()` free the accelerator's memory while the trainer updates;
 - `own_drafts`: the engine drafts for itself while it decodes (vLLM's suffix decoding), in
   `generate`; its results count the decode forwards, draft and accepted tokens as
-  `generate_with_drafts` results do.
+  `generate_with_drafts` results do;
+- `trie_scoring`: `score_tries(requests, prefixes)` scores a prompt's trie of earlier responses
+  in one pass (every node attends to the prompt and its own ancestors) and returns, per node,
+  what the engine's sampler needs to decide whether a slot's next token is that node
+  (`TrieScores`); with `prefixes`, decoding that leaves a trie at a node continues from the
+  node's KV. Its samples are coupled with decoding's: at every node the walk and decoding map
+  the same uniform to the same token.
 """
 
 from __future__ import annotations
@@ -28,6 +34,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
+import numpy as np
 import torch
 
 from specrl.types import FinishReason
@@ -87,6 +94,29 @@ class LogprobRequest:
 
 
 @dataclass(frozen=True)
+class TrieRequest:
+    """A prompt's trie to score: node i (1..N) holds `tokens[i - 1]` and hangs under node
+    `parents[i - 1]` (0: the root, the empty response); a parent comes before its children."""
+
+    prompt_ids: Sequence[int]
+    parents: Sequence[int]
+    tokens: Sequence[int]
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+
+
+@dataclass(frozen=True)
+class TrieScores:
+    """The current policy over a scored trie, indexed by node (0: the root). The engine's
+    sampler draws the token after node v with a uniform u as the token whose interval holds
+    u · total[v]; node i's token, after its parent, has the interval (low[i], high[i]]."""
+
+    logprobs: np.ndarray  # [N + 1] sampling logprob of node i's token after its parent
+    low: np.ndarray  # [N + 1] float64
+    high: np.ndarray  # [N + 1] float64
+    total: np.ndarray  # [N + 1] float64: the sampler's total mass after node v
+
+
+@dataclass(frozen=True)
 class Capabilities:
     """What an engine can do beyond the required protocol (see the module docstring)."""
 
@@ -96,6 +126,7 @@ class Capabilities:
     sleep: bool = False
     own_drafts: bool = False
     ragged_drafts: bool = False
+    trie_scoring: bool = False
 
 
 class Prefixes(Protocol):

@@ -31,6 +31,8 @@ from specrl.engines import (
     Prefixes,
     RolloutEngine,
     SamplingParams,
+    TrieRequest,
+    TrieScores,
 )
 from specrl.engines.sampling import seeded_uniform
 from specrl.errors import UserError
@@ -43,8 +45,8 @@ from specrl.speculative.acceptance import (
 from specrl.speculative.drafting import Drafting, DraftWidth, StoredDrafts, TreeDrafts
 from specrl.speculative.stats import RolloutStats
 from specrl.speculative.store import RolloutStore, StoredRollout
-from specrl.speculative.tree import TokenTree
-from specrl.types import Prompt, Rollout
+from specrl.speculative.tree import ROOT, PromptTree, TokenTree
+from specrl.types import FinishReason, Prompt, Rollout
 
 
 def rollout_seed(*key: object) -> int:
@@ -66,6 +68,45 @@ class Verified:
     def kept_logprobs(self) -> list[float]:
         """Current logprobs of the kept tokens, draft[:cut]."""
         return self.scored[: self.cut]
+
+
+@dataclass
+class Walked:
+    """A slot's walk down its prompt's history trie: the tokens it took from the trie with their
+    current logprobs, and its finish reason when the walk ended the rollout (it reached an
+    end-of-sequence node, or its token budget); None when it left the trie and decodes on."""
+
+    token_ids: list[int]
+    logprobs: list[float]
+    finish_reason: FinishReason | None
+
+
+def walk_trie(
+    tree: PromptTree,
+    scores: TrieScores,
+    uniforms: np.ndarray,
+    budget: int,
+    eos_token_ids: frozenset[int],
+) -> Walked:
+    """One slot's walk: at response position t it draws the token vanilla decoding would draw
+    with the slot's uniform for t (`uniforms` [budget]) from the current policy at its node;
+    while that token is a child of the node it moves down, otherwise it leaves the trie there
+    (and decoding draws that same token next)."""
+    node, tokens, logprobs = ROOT, [], []
+    while len(tokens) < budget:
+        target = uniforms[len(tokens)] * scores.total[node]
+        child = next(
+            (c for c in tree.children[node].values() if scores.low[c] < target <= scores.high[c]),
+            None,
+        )
+        if child is None:
+            return Walked(tokens, logprobs, None)
+        node = child
+        tokens.append(tree.token[node])
+        logprobs.append(float(scores.logprobs[node]))
+        if tree.token[node] in eos_token_ids:
+            return Walked(tokens, logprobs, "stop")
+    return Walked(tokens, logprobs, "length")
 
 
 @dataclass(frozen=True)
@@ -125,12 +166,22 @@ class _Slot:
     slot: int
     seed: int
     budget: int  # most tokens of its rollout
+    reuse: bool = True  # may reuse earlier responses (its stored draft, or its prompt's trie)
     draft: StoredRollout | None = None
     verified: Verified | None = None
+    walked: Walked | None = None
 
     @property
     def kept(self) -> list[int]:
+        if self.walked is not None:
+            return self.walked.token_ids
         return [] if self.verified is None else self.draft.token_ids[: self.verified.cut].tolist()
+
+    @property
+    def kept_logprobs(self) -> list[float]:
+        if self.walked is not None:
+            return self.walked.logprobs
+        return [] if self.verified is None else self.verified.kept_logprobs
 
 
 class SpeculativeStage:
@@ -165,10 +216,20 @@ class SpeculativeStage:
                 "rollout.spec.tree.method=suffix needs an engine that drafts with vLLM's suffix "
                 "decoding (a vllm engine built with draft_method=suffix)"
             )
-        uses_tree = cfg.uses_tree() and capabilities.draft_decoding and cfg.tree.method == "specrl"
-        self.tree = TokenTree(cfg.tree.window, cfg.tree.max_nodes) if uses_tree else None
+        self.walks = cfg.walks_tries(capabilities.trie_scoring)
+        if self.walks and not capabilities.trie_scoring:
+            raise UserError(
+                "rollout.spec.reuse=trie needs an engine that scores tries in one pass (hf); "
+                "use rollout.spec.reuse=slot on this engine"
+            )
+        self.tree_drafts = (
+            cfg.uses_tree() and capabilities.draft_decoding and cfg.tree.method == "specrl"
+        )
+        # a prompt's trie of its last `window` rollouts: what slots walk, and drafts come from
+        wants_tree = self.tree_drafts or self.walks
+        self.tree = TokenTree(cfg.tree.window, cfg.tree.max_nodes) if wants_tree else None
         # the engine's results count drafts: specrl's (trees, stored drafts) or the engine's own
-        self.counts_drafts = self.tree is not None or self.in_decoding or capabilities.own_drafts
+        self.counts_drafts = self.tree_drafts or self.in_decoding or capabilities.own_drafts
         self.draft_width = DraftWidth(
             cfg.tree.max_draft_tokens, cfg.tree.adaptive, capabilities.ragged_drafts
         )
@@ -201,12 +262,18 @@ class SpeculativeStage:
                 q.slot,
                 rollout_seed(*seed_key, q.prompt.prompt_id, q.slot),
                 q.max_tokens,
-                self._draft(q.prompt, q.slot) if q.use_draft else None,
+                q.use_draft,
+                self._draft(q.prompt, q.slot) if q.use_draft and not self.walks else None,
             )
             for q in requests
         ]
         prefixes = self.engine.new_prefixes() if self.engine.capabilities.prefix_reuse else None
-        if not self.in_decoding:
+        if self.tree is not None:
+            for pid in dict.fromkeys(s.prompt.prompt_id for s in slots):
+                stats.tree_evicted_nodes += self.tree.begin(pid)
+        if self.walks:
+            self._walk(slots, prefixes, stats)
+        elif not self.in_decoding:
             self._verify(slots, seed_key, prefixes, stats)
         requests = {i: r for i, s in enumerate(slots) if (r := self._continuation(s)) is not None}
         drafting = self._drafting(slots, requests, stats)
@@ -227,7 +294,7 @@ class SpeculativeStage:
             behaviour_start = time.perf_counter()
             rollouts = self._lenient_behaviour(slots, rollouts, stats)
             stats.verify_s += time.perf_counter() - behaviour_start
-        if self.cfg.enabled:
+        if self.cfg.enabled and not self.walks:
             for r in rollouts:
                 self.store.put(r)
         stats.rollout_s += time.perf_counter() - start
@@ -333,6 +400,43 @@ class SpeculativeStage:
             active, offset = still, offset + chunk
         stats.verify_s += time.perf_counter() - started
 
+    def _walk(self, slots: list[_Slot], prefixes: Prefixes | None, stats: RolloutStats) -> None:
+        """Score the history trie of every prompt (context) with slots that may reuse, in one
+        pass, and walk each such slot down it (`walk_trie`), with the uniforms of its seed
+        at its response positions: what vanilla decoding would draw there."""
+        started = time.perf_counter()
+        walkers = [
+            i
+            for i, s in enumerate(slots)
+            if s.reuse and (tree := self.tree.get(s.prompt.prompt_id)) is not None and tree.nodes
+        ]
+        if not walkers:
+            return
+        tries: dict[tuple, int] = {}  # (prompt id, context) → its request
+        requests = []
+        for i in walkers:
+            prompt = slots[i].prompt
+            if (prompt.prompt_id, prompt.ids) not in tries:
+                tries[prompt.prompt_id, prompt.ids] = len(requests)
+                tree = self.tree.get(prompt.prompt_id)
+                requests.append(
+                    TrieRequest(prompt.ids, tree.parent[1:], tree.token[1:], self.sampling)
+                )
+        scores = self.engine.score_tries(requests, prefixes)
+        stats.trie_prompts += len(requests)
+        stats.trie_nodes += sum(len(r.tokens) for r in requests)
+        stats.verified_tokens += sum(len(r.tokens) for r in requests)
+        seeds = torch.tensor([slots[i].seed for i in walkers])[:, None]
+        first = torch.tensor([len(slots[i].prompt.ids) for i in walkers])[:, None]
+        positions = first + torch.arange(max(slots[i].budget for i in walkers))[None, :]
+        uniforms = seeded_uniform(seeds.expand_as(positions), positions).numpy()  # [S, R]
+        for row, i in enumerate(walkers):
+            s = slots[i]
+            trie = scores[tries[s.prompt.prompt_id, s.prompt.ids]]
+            tree = self.tree.get(s.prompt.prompt_id)
+            s.walked = walk_trie(tree, trie, uniforms[row], s.budget, self.engine.eos_token_ids)
+        stats.verify_s += time.perf_counter() - started
+
     def _cuts(self, new: list[list[float]], old: list[np.ndarray], seeds: list[int]) -> list[int]:
         """The acceptance rule over a batch of verified prefixes (ragged → padded [B, T])."""
         lengths = torch.tensor([len(x) for x in new])
@@ -352,6 +456,11 @@ class SpeculativeStage:
     def _continuation(self, s: _Slot) -> GenRequest | None:
         """What is left to decode for a slot, or None when its draft is reused whole."""
         R = s.budget
+        if s.walked is not None:  # decodes on from the node where it left the trie, if it did
+            kept = s.walked.token_ids
+            if s.walked.finish_reason is not None:
+                return None
+            return GenRequest(s.prompt.ids, R - len(kept), self.sampling, s.seed, kept)
         if s.verified is None:
             return GenRequest(s.prompt.ids, R, self.sampling, s.seed)
         cut = s.verified.cut
@@ -379,7 +488,7 @@ class SpeculativeStage:
         """The engine's drafter for this call: token trees for what is decoded, after each
         slot's stored draft when drafts are verified inside decoding; None when there is
         nothing to propose."""
-        trees = self._tree_drafts(slots, requests, stats)
+        trees = self._tree_drafts(slots, requests)
         if not self.in_decoding:
             return None if trees is None else Drafting(trees, self.draft_width)
         drafts = [(slots[i].draft, slots[i].budget) for i in requests]
@@ -389,19 +498,18 @@ class SpeculativeStage:
         return Drafting(StoredDrafts(stored, trees), self.draft_width)
 
     def _tree_drafts(
-        self, slots: list[_Slot], requests: dict[int, GenRequest], stats: RolloutStats
+        self, slots: list[_Slot], requests: dict[int, GenRequest]
     ) -> TreeDrafts | None:
-        """Start a round for every prompt of the batch (dropping responses outside the window),
-        add the drafts reused whole (they are final already), and draft from the trees: none
-        when every tree the requests would draft from is empty and stays so (prompts rolled
-        out for the first time, without online trees)."""
+        """Add the responses reused whole to their trees (they are final already), and draft
+        from the trees: none when every tree the requests would draft from is empty and stays
+        so (prompts rolled out for the first time, without online trees)."""
         if self.tree is None:
             return None
-        for pid in dict.fromkeys(s.prompt.prompt_id for s in slots):
-            stats.tree_evicted_nodes += self.tree.begin(pid)
         self.tree.insert_all(
             (s.prompt.prompt_id, s.kept) for i, s in enumerate(slots) if i not in requests
         )
+        if not self.tree_drafts:
+            return None
         prompt_ids = [slots[i].prompt.prompt_id for i in requests]
         if not self.cfg.tree.online and all(self.tree.get(p).nodes == 0 for p in prompt_ids):
             return None
@@ -426,9 +534,12 @@ class SpeculativeStage:
 
     # ---------------------------------------------------------------- assemble
     def _assemble(self, s: _Slot, result: GenResult | None, version: int) -> Rollout:
-        kept_logprobs = [] if s.verified is None else s.verified.kept_logprobs
+        kept_logprobs = s.kept_logprobs
         if result is None:  # reused whole
-            finish = s.draft.finish_reason if s.verified.cut == len(s.draft) else "length"
+            if s.walked is not None:
+                finish = s.walked.finish_reason
+            else:
+                finish = s.draft.finish_reason if s.verified.cut == len(s.draft) else "length"
             return Rollout(s.prompt, s.slot, s.kept, list(kept_logprobs), finish, version)
         return Rollout(
             s.prompt,
@@ -506,12 +617,15 @@ class SpeculativeStage:
     ) -> None:
         stats.rollouts += len(rollouts)
         drafted = [s for s in slots if s.verified is not None]
-        stats.drafts += len(drafted)
+        walked = [s for s in slots if s.walked is not None]
+        stats.drafts += len(drafted) + len(walked)
         stats.draft_age_sum += sum(version - s.draft.policy_version for s in drafted)
         # reused whole: not decoded, or (verified in decoding) nothing decoded past the draft
         stats.fully_reused += len(rollouts) - sum(bool(r.token_ids) for r in results.values())
         stats.reused_tokens += sum(s.verified.cut for s in drafted)
+        stats.reused_tokens += sum(len(s.walked.token_ids) for s in walked)
         stats.decoded_tokens += sum(len(r.token_ids) for r in results.values())
+        stats.slowest_forwards += max((r.forwards for r in results.values()), default=0)
         stats.response_tokens += sum(len(r.token_ids) for r in rollouts)
         stats.store_entries = len(self.store)
         stats.store_tokens = self.store.num_tokens
@@ -524,7 +638,7 @@ class SpeculativeStage:
                 stats.tree_accepted_tokens += r.accepted_tokens
                 if self.in_decoding and slots[i].verified is not None:
                     stats.tree_output_tokens += slots[i].verified.cut  # decoded, then kept
-        if self.tree is not None or self.in_decoding:  # specrl's drafts: its width controller
+        if self.tree_drafts or self.in_decoding:  # specrl's drafts: its width controller
             for k, forwards in self.draft_width.reset_choices().items():
                 stats.tree_width_forwards += forwards
                 stats.tree_width_sum += k * forwards

@@ -37,6 +37,9 @@ class RolloutStats:
     tree_width_forwards: int = 0  # forwards for which the draft width K was chosen
     tree_width_sum: int = 0  # Σ K over them
     tree_evicted_nodes: int = 0
+    trie_nodes: int = 0  # history-trie nodes scored (reuse=trie)
+    trie_prompts: int = 0  # tries scored: prompts (or turn contexts) with a history
+    slowest_forwards: int = 0  # Σ over calls of the most decode forwards one slot took
     verify_s: float = 0.0
     gen_s: float = 0.0
     rollout_s: float = 0.0
@@ -150,6 +153,8 @@ class RolloutStats:
     def _applies(self, name: str) -> bool:
         if name.startswith("tree_"):
             return self.tree
+        if name.startswith("trie_"):
+            return self.speculative
         if name in WORKER_COUNTS:
             return self.workers > 0
         return self.lenient or not name.startswith("behaviour_")
@@ -194,6 +199,9 @@ METRIC_NAMES = {
     "tree_width_forwards": "spec/tree/width_forwards",
     "tree_width_sum": "spec/tree/width_sum",
     "tree_evicted_nodes": "spec/tree/evicted_nodes",
+    "trie_nodes": "spec/trie/nodes",
+    "trie_prompts": "spec/trie/prompts",
+    "slowest_forwards": "perf/slowest_slot_forwards",
     "verify_s": "timing_s/verify",
     "gen_s": "timing_s/gen",
     "rollout_s": "timing_s/rollout",

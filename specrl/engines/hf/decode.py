@@ -19,7 +19,7 @@ import torch
 from transformers import DynamicCache
 
 from specrl.engines.hf.kv_cache import DecodeCache, drop_padding, layers_kv, merge
-from specrl.engines.hf.prefix_cache import PrefixCache
+from specrl.engines.hf.prefix_cache import Hit, PrefixCache
 from specrl.engines.protocol import Drafter, GenRequest, GenResult
 from specrl.engines.sampling import (
     RowSampling,
@@ -62,6 +62,8 @@ class Decoder:
         # KV of every context but its last token; that token is the first one fed below.
         cache, attention = self._prefill(contexts)  # attention [B, W]
         attention = drop_padding(cache, attention)
+        if _sparse(attention):  # contexts taken from tries: each attends to one path
+            attention = cache.compact(attention)
         tokens = torch.tensor([c[-1] for c in contexts], device=self.device)  # [B] fed next
         positions = torch.tensor([len(c) - 1 for c in contexts], device=self.device)  # theirs
         rows = torch.tensor(live, device=self.device)  # request index of each batch row
@@ -141,7 +143,7 @@ class Decoder:
                 sampling = sampling.select(keep)
                 attention = drop_padding(cache, attention)
             rejected = [None] * len(rows)
-            if width and attention.shape[1] > 2 * int(attention.sum(1).max()) + 32:
+            if width and _sparse(attention):
                 attention = cache.compact(attention)
 
     def _first_tokens(
@@ -265,13 +267,12 @@ class Decoder:
             )
         for batch, group in _group_by_batch(hits).items():
             kv, valid = prefixes.batches[batch]
-            rows = torch.tensor([hits[i][1] for i in group], device=self.device)
+            rows = torch.tensor([hits[i].row for i in group], device=self.device)
             attention = torch.zeros(
                 len(group), valid.shape[1], dtype=torch.long, device=self.device
             )
-            for j, i in enumerate(group):  # keep only the head of each cached row
-                start = int(valid[hits[i][1]].argmax())  # its first real (non-pad) column
-                attention[j, start : start + len(heads[i])] = 1
+            for j, i in enumerate(group):  # only the columns of each context's head
+                attention[j, hits[i].columns] = 1
             parts.append((group, [t.index_select(0, rows) for t in kv], attention))
         if not any(kv for _, kv, _ in parts):  # nothing cached, nothing to prefill
             width = torch.zeros(len(contexts), 0, dtype=torch.long, device=self.device)
@@ -290,6 +291,12 @@ def _accepted(sampled: torch.Tensor, fed: torch.Tensor, proposed: torch.Tensor) 
     cols = torch.arange(fed.shape[1] - 1, device=fed.device)
     match = (sampled[:, :-1] == fed[:, 1:]) & (cols[None] < proposed[:, None])
     return match.int().cumprod(1).sum(1)
+
+
+def _sparse(attention: torch.Tensor) -> bool:
+    """Whether the KV cache is more than twice as wide as the longest row needs (attention
+    [B, W]): rejected drafts, or other branches of a trie, masked out."""
+    return attention.shape[1] > 2 * int(attention.sum(1).max()) + 32
 
 
 def _staying(finished: torch.Tensor) -> torch.Tensor:
@@ -326,8 +333,8 @@ def left_pad(
     return ids.to(device), attention.to(device)
 
 
-def _group_by_batch(hits: dict[int, tuple[int, int]]) -> dict[int, list[int]]:
+def _group_by_batch(hits: dict[int, Hit]) -> dict[int, list[int]]:
     groups: dict[int, list[int]] = {}
-    for i, (batch, _) in hits.items():
-        groups.setdefault(batch, []).append(i)
+    for i, hit in hits.items():
+        groups.setdefault(hit.batch, []).append(i)
     return groups

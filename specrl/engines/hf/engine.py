@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
+import numpy as np
 import torch
 from transformers import AutoModelForCausalLM, DynamicCache, PreTrainedModel
 
@@ -24,6 +25,8 @@ from specrl.engines.protocol import (
     GenRequest,
     GenResult,
     LogprobRequest,
+    TrieRequest,
+    TrieScores,
     distinct_requests,
 )
 from specrl.engines.sampling import RowSampling, sampling_logprobs
@@ -33,7 +36,10 @@ class HFEngine:
     """Rollout engine over a transformers model. When it wraps the trainer's own model object the
     weights are shared, so there is nothing to sync after an update."""
 
-    capabilities = Capabilities(draft_decoding=True, residual_sampling=True, prefix_reuse=True)
+    capabilities = Capabilities(
+        draft_decoding=True, residual_sampling=True, prefix_reuse=True, trie_scoring=True
+    )
+    logits_budget = 2**26  # most logits one trie pass computes (256 MB in float32)
 
     def __init__(
         self,
@@ -133,6 +139,56 @@ class HFEngine:
             row[n - len(r.target_ids) :].cpu() for row, r in zip(logprobs, requests, strict=True)
         ]
 
+    @torch.inference_mode()
+    def score_tries(
+        self, requests: Sequence[TrieRequest], prefixes: PrefixCache | None = None
+    ) -> list[TrieScores]:
+        """Every trie in one forward with a tree attention mask, in batches of at most
+        `max_batch_size` tries and `logits_budget` logits. With `prefixes`, the KV of every
+        node (and its distribution, when small) is kept there for `generate`."""
+        vocab = self.model.config.get_text_config().vocab_size
+        scored: list[TrieScores] = []
+        start = 0
+        while start < len(requests):
+            end = start + 1
+            while end < len(requests) and end - start < self.max_batch_size:
+                width = max(len(r.prompt_ids) + len(r.tokens) for r in requests[start : end + 1])
+                if (end + 1 - start) * width * vocab > self.logits_budget:
+                    break
+                end += 1
+            scored.extend(self._trie_batch(requests[start:end], prefixes))
+            start = end
+        return scored
+
+    def _trie_batch(
+        self, requests: Sequence[TrieRequest], prefixes: PrefixCache | None
+    ) -> list[TrieScores]:
+        ids, mask, positions, attention = tree_inputs(
+            [(r.prompt_ids, r.parents, r.tokens) for r in requests], self.pad_token_id
+        )
+        ids, positions, attention = (t.to(self.device) for t in (ids, positions, attention))
+        dtype = self.model.dtype
+        bias = torch.zeros(mask.shape, dtype=dtype).masked_fill_(~mask, torch.finfo(dtype).min)
+        cache = DynamicCache() if prefixes is not None else None
+        most = max(len(r.tokens) for r in requests)
+        # the last prompt column and every node column: their logits give the distribution
+        # after the root and after each node
+        logits = self.forward(ids, bias[:, None].to(self.device), positions, cache, keep=most + 1)
+        out, kept = [], []
+        for row, r in zip(logits, requests, strict=True):
+            nodes = len(r.tokens)
+            rows = RowSampling.of([r.sampling], self.device).repeat(nodes + 1)
+            distributions = sampling_logprobs(row[most - nodes :], rows)  # [N + 1, V]
+            kept.append(distributions)
+            out.append(trie_scores(distributions, r.parents, r.tokens))
+        if prefixes is not None:
+            kv = layers_kv(cache)
+            dists = torch.nn.utils.rnn.pad_sequence(kept, batch_first=True)  # [B, N + 1, V]
+            keep = dists if _nbytes([dists]) <= _nbytes(kv) else None
+            tries = [(r.prompt_ids, r.parents, r.tokens) for r in requests]
+            prefixes.add_tries(tries, kv, attention, keep, [r.sampling for r in requests])
+        return out
+
     def load_weights(self, state: Mapping[str, torch.Tensor]) -> None:
         """Copy new weights in (nothing to copy for tensors that already are the engine's, as when
         it wraps the trainer's model)."""
@@ -161,6 +217,54 @@ class HFEngine:
             use_cache=cache is not None,
             logits_to_keep=keep,
         ).logits
+
+
+def tree_inputs(
+    tries: Sequence[tuple[Sequence[int], Sequence[int], Sequence[int]]], pad: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A batch of (prompt ids, parents, tokens) tries as one forward's inputs, each row the
+    prompt then the nodes, right-aligned: → ids [B, W], which columns each column attends to
+    [B, W, W] (causal over the prompt; a node: the prompt, its ancestors and itself; padding:
+    itself), positions [B, W] (a node's: prompt length + depth − 1, as when decoding its path)
+    and the real columns [B, W]."""
+    width = max(len(p) + len(t) for p, _, t in tries)
+    batch = len(tries)
+    ids = torch.full((batch, width), pad, dtype=torch.long)
+    positions = torch.zeros((batch, width), dtype=torch.long)
+    mask = np.zeros((batch, width, width), dtype=bool)
+    mask[:, np.arange(width), np.arange(width)] = True
+    real = torch.zeros((batch, width), dtype=torch.long)
+    for b, (prompt, parents, tokens) in enumerate(tries):
+        n, p = len(tokens), len(prompt)
+        start = width - n - p  # first prompt column
+        ids[b, start:] = torch.tensor([*prompt, *tokens])
+        real[b, start:] = 1
+        depth = np.zeros(n + 1, dtype=np.int64)
+        below = np.zeros((n + 1, n + 1), dtype=bool)  # below[i, j]: j is i or an ancestor
+        for i, parent in enumerate(parents, start=1):
+            depth[i] = depth[parent] + 1
+            below[i] = below[parent]
+            below[i, i] = True
+        positions[b, start : start + p] = torch.arange(p)
+        positions[b, start + p :] = torch.from_numpy(p - 1 + depth[1:])
+        mask[b, start : start + p, start : start + p] = np.tri(p, dtype=bool)
+        mask[b, start + p :, start : start + p] = True
+        mask[b, start + p :, start + p :] = below[1:, 1:]
+    return ids, torch.from_numpy(mask), positions, real
+
+
+def trie_scores(
+    distributions: torch.Tensor, parents: Sequence[int], tokens: Sequence[int]
+) -> TrieScores:
+    """The sampler's view of a trie from the distribution after each node (root first)
+    [N + 1, V], with the arithmetic of `sample_from_logprobs`."""
+    cdf = distributions.double().exp().cumsum(-1).cpu()  # [N + 1, V]
+    parent = torch.tensor([0, *parents])
+    token = torch.tensor([0, *tokens])
+    high = cdf[parent, token]
+    low = torch.where(token > 0, cdf[parent, (token - 1).clamp(min=0)], 0.0)
+    logprobs = distributions.cpu()[parent, token]
+    return TrieScores(logprobs.numpy(), low.numpy(), high.numpy(), cdf[:, -1].numpy())
 
 
 def _nbytes(tensors: list[torch.Tensor]) -> int:

@@ -1,0 +1,157 @@
+"""History tries (`rollout.spec.reuse=trie`): one pass scores a prompt's trie of earlier
+responses as scoring each path would, decoding continues from a node's KV, and trie rollouts
+are vanilla's samples: token for token with the same weights and seeds (the walk draws each
+token with decoding's uniform), and distributed as the policy's samples whatever the history."""
+
+import numpy as np
+import pytest
+
+from specrl.config import ConfigError, SpecConfig, load_config
+from specrl.engines import GREEDY, GenRequest, LogprobRequest, SamplingParams, TrieRequest
+from specrl.engines.hf import HFEngine
+from specrl.speculative.stage import SpeculativeStage, sample_rollouts
+from specrl.speculative.tree import PromptTree
+from specrl.types import Example, Prompt
+from tests.conftest import EOS, PAD, make_tiny_model
+from tests.speculative.distributions import SAMPLING, distribution_pvalue, target_and_drafter
+
+SAMPLINGS = {
+    "t1": SamplingParams(1.0),
+    "top_p0.8": SamplingParams(1.0, top_p=0.8),
+    "top_k4": SamplingParams(0.9, top_k=4),
+    "greedy": GREEDY,
+}
+RESPONSES = [[3, 4, 5, EOS], [3, 4, 6, 7], [3, 8], [9, 9, 9, 9, 9], [3, 4, 5, 2, EOS]]
+
+
+def trie_of(responses) -> PromptTree:
+    tree = PromptTree()
+    for response in responses:
+        tree.insert(response)
+    return tree
+
+
+def same(a, b, atol=1e-5) -> bool:
+    """Equal logprobs, -inf (outside top-k / top-p) included."""
+    a, b = np.asarray(a, dtype=np.float64), np.asarray(b, dtype=np.float64)
+    return bool(((a == b) | (np.abs(a - b) <= atol)).all())
+
+
+@pytest.mark.parametrize("sampling", SAMPLINGS.values(), ids=SAMPLINGS.keys())
+def test_a_trie_pass_scores_every_node_as_scoring_its_path_does(sampling):
+    engine = HFEngine(make_tiny_model(init=0.3), [EOS], PAD)
+    tree = trie_of(RESPONSES)
+    prompts = [[2, 5, 7], [6]]  # two rows of different widths in one pass
+    requests = [TrieRequest(p, tree.parent[1:], tree.token[1:], sampling) for p in prompts]
+    for prompt, scores in zip(prompts, engine.score_tries(requests), strict=True):
+        for response in RESPONSES:
+            [expected] = engine.logprobs([LogprobRequest(prompt, response, sampling)])
+            node, got = 0, []
+            for token in response:
+                node = tree.children[node][token]
+                got.append(scores.logprobs[node])
+            assert same(got, expected), (got, expected)
+        # the sampler's intervals: each node's width is its probability, inside its parent's mass
+        width = scores.high[1:] - scores.low[1:]
+        assert np.allclose(width, np.exp(scores.logprobs[1:]), atol=1e-6)
+        assert (scores.high[1:] <= scores.total[np.asarray(tree.parent[1:])] + 1e-9).all()
+
+
+def test_decoding_that_leaves_a_trie_continues_from_the_nodes_kv():
+    engine = HFEngine(make_tiny_model(init=0.3), [EOS], PAD)
+    tree = trie_of(RESPONSES)
+    prompt, sampling = [2, 5, 7], SamplingParams(1.0)
+    prefixes = engine.new_prefixes()
+    engine.score_tries([TrieRequest(prompt, tree.parent[1:], tree.token[1:], sampling)], prefixes)
+    for path in ([3, 4], [9, 9, 9], []):
+        assert prefixes.find([*prompt, *path]) is not None or not path
+        requests = [GenRequest(prompt, 6, sampling, seed, path) for seed in range(8)]
+        cached, fresh = engine.generate(requests, prefixes), engine.generate(requests)
+        assert [r.token_ids for r in cached] == [r.token_ids for r in fresh]
+        for a, b in zip(cached, fresh, strict=True):
+            assert same(a.logprobs, b.logprobs)
+
+
+def trie_stage(engine, sampling, max_len, **spec) -> SpeculativeStage:
+    cfg = SpecConfig(enabled=True, acceptance="exact", reuse="trie", **spec)
+    return SpeculativeStage(engine, sampling, max_len, cfg)
+
+
+@pytest.mark.parametrize("sampling", SAMPLINGS.values(), ids=SAMPLINGS.keys())
+def test_trie_rollouts_are_vanilla_rollouts_token_for_token(toy_run, sampling):
+    """The built-in policy's weights after each of four training steps, the same in both arms;
+    the trie arm's histories are its own earlier rounds. ≥ 20k tokens per sampling setting."""
+    prompts, weights, model, eos = toy_run
+    engine = HFEngine(model, eos, PAD)
+    stage = trie_stage(engine, sampling, 72)
+    tokens = agree = reused = 0
+    for step, state in enumerate(weights, start=1):
+        engine.load_weights(state)
+        key = (1, step, 0)
+        trie, stats = stage(prompts, 8, key, step)
+        vanilla = sample_rollouts(engine, prompts, 8, sampling, 72, key, step)
+        for a, b in zip(trie, vanilla, strict=True):
+            tokens += max(len(a.token_ids), len(b.token_ids))
+            agree += sum(x == y for x, y in zip(a.token_ids, b.token_ids, strict=False))
+            if a.token_ids == b.token_ids:
+                assert same(a.current_logprobs, b.current_logprobs, atol=1e-4)
+                assert a.finish_reason == b.finish_reason
+        reused += stats.reused_tokens
+        if step > 1:
+            assert stats.trie_nodes > 0 and stats.reused_tokens > 0
+    assert tokens >= 20_000
+    assert agree >= (1.0 if sampling.greedy else 0.999) * tokens, (agree, tokens)
+    assert reused >= 0.3 * tokens  # the trie is used: 3 of 4 rounds have a history
+
+
+@pytest.fixture(scope="module")
+def toy_run(tmp_path_factory):
+    """Prompts of the built-in task and the shipped policy's weights after each of four steps
+    of a training run (a high learning rate, so that they move)."""
+    from specrl.actor.policy import eos_token_ids, load_policy
+    from specrl.data import load_prompts
+    from specrl.trainer import Trainer
+
+    out = tmp_path_factory.mktemp("toy-run")
+    cfg = load_config(
+        None,
+        [
+            f"trainer.output_dir={out}", "trainer.logger=[jsonl]", "data.train_batch_size=8",
+            "actor.ppo_mini_batch_size=8", "data.val_size=8", "actor.optim.lr=1e-4",
+        ],
+    )  # fmt: skip
+    trainer = Trainer(cfg)
+    states = []
+    for _ in range(4):
+        states.append({k: v.clone() for k, v in trainer.actor.policy.state_dict().items()})
+        trainer.global_step += 1
+        trainer.train_step()
+    policy, tokenizer = load_policy(trainer.model_dir, "float32")
+    prompts, _ = load_prompts(cfg.data, tokenizer, 1, print)
+    return prompts[:12], states, policy.eval(), eos_token_ids(policy, tokenizer)
+
+
+def test_trie_rollouts_are_distributed_as_the_policy_with_an_adversarial_history():
+    """20k slots of one prompt whose trie holds another policy's samples: trie rollouts must be
+    distributed as the current policy's own samples (chi-square, p > 1e-3)."""
+    vocab, max_len, n = 5, 3, 20_000
+    prompt = Prompt((2, 3), Example("p", "", "test"))
+    target, drafter = target_and_drafter(vocab, n)
+    stage = trie_stage(target, SAMPLING, max_len)
+    history = sample_rollouts(drafter, [prompt], 64, SAMPLING, max_len, ("history",), 0)
+    stage.tree.begin(prompt.prompt_id)
+    stage.tree.insert_all((prompt.prompt_id, r.token_ids) for r in history)
+    rollouts, stats = stage([prompt], n, ("trie",), 1)
+    assert 0 < stats.reused_tokens < stats.response_tokens  # the walk takes part of the tokens
+    assert stats.trie_nodes == trie_of(r.token_ids for r in history).nodes  # one pass, each once
+    assert distribution_pvalue(target, prompt, rollouts, vocab, max_len) > 1e-3
+
+
+def test_trie_reuse_is_the_exact_rules_default_on_the_transformers_engine():
+    assert load_config(None, []).rollout.spec.reuse == "trie"
+    assert load_config(None, ["rollout.spec.acceptance=specrl"]).rollout.spec.reuse == "slot"
+    assert load_config(None, ["rollout.name=vllm"]).rollout.spec.reuse == "slot"
+    with pytest.raises(ConfigError, match="reuse=trie samples every token as vanilla"):
+        load_config(None, ["rollout.spec.reuse=trie", "rollout.spec.acceptance=specrl"])
+    with pytest.raises(ConfigError, match="reuse=trie needs an engine that scores tries"):
+        load_config(None, ["rollout.spec.reuse=trie", "rollout.name=vllm"])
