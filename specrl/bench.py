@@ -2,8 +2,8 @@
 
 Arms: vanilla, spec (SPEC-RL: each slot verifies its own stored draft, `rollout.spec.reuse=slot`,
 with token-tree drafts for the decoded tokens where `rollout.spec.tree.enabled` says so, by
-default), trie (every slot walks its prompt's history trie, `reuse=trie`, the exact rule's default
-on the transformers engine; tree drafts as configured), spec-in-decoding (spec with `rollout.spec.verify_mode=decoding`: stored drafts verified inside
+default), trie (every slot walks its prompt's history trie, `reuse=trie`, always under the exact
+rule, its default on the transformers engine; tree drafts as configured), spec-in-decoding (spec with `rollout.spec.verify_mode=decoding`: stored drafts verified inside
 decoding, exact rule), tree (specrl's token-tree drafts only), spec+tree (both, whatever the
 config), suffix (vLLM's own suffix decoding, `rollout.spec.tree.method=suffix`, no prefix reuse:
 the anchor on the vllm engine) and spec+suffix (prefix reuse verified by a scoring pass, the
@@ -41,7 +41,7 @@ SLOT = {"enabled": True, "reuse": "slot"}
 ARMS = {  # arm → what it sets under rollout.spec (the rest as configured)
     "vanilla": {"enabled": False, "tree.enabled": False},
     "spec": SLOT,
-    "trie": {"enabled": True, "reuse": "trie"},
+    "trie": {"enabled": True, "acceptance": "exact", "reuse": "trie"},
     "spec-in-decoding": {**SLOT, "verify_mode": "decoding", "tree.method": "specrl"},
     "tree": {"enabled": False, **SPECRL_TREES},
     "spec+tree": {**SLOT, **SPECRL_TREES},
@@ -267,11 +267,11 @@ def _episodes(steps: list[dict[str, float]]) -> dict[str, Any]:
     return out
 
 
-def _per_epoch(steps: list[dict[str, float]]) -> dict[int, float]:
-    """The reused token ratio of each epoch (0: the first, which has nothing to reuse)."""
+def _per_epoch(steps: list[dict[str, float]]) -> dict[str, float]:
+    """The reused token ratio of each epoch ("0": the first, which has nothing to reuse)."""
     epochs = sorted({int(m["training/epoch"]) for m in steps})
     return {
-        e: RolloutStats.of_steps([m for m in steps if m["training/epoch"] == e]).ratios()[
+        str(e): RolloutStats.of_steps([m for m in steps if m["training/epoch"] == e]).ratios()[
             "spec/reused_token_ratio"
         ]
         for e in epochs

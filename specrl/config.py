@@ -163,7 +163,7 @@ class SpecConfig(Section):
             return False
         if self.reuse != "auto":
             return self.reuse == "trie"
-        return self.acceptance == "exact" and trie_scoring
+        return self.acceptance == "exact" and trie_scoring and self.verify_mode != "decoding"
 
     def uses_tree(self) -> bool:
         """Whether token-tree drafts are in effect: `auto` uses them for what speculative
@@ -626,6 +626,12 @@ class Config(Section):
                 "rollout.spec.reuse=trie samples every token as vanilla decoding would (the "
                 "exact rule): set rollout.spec.acceptance=exact, or reuse=slot for SPEC-RL's "
                 "lenient rule"
+            )
+        if spec.reuse == "trie" and spec.verify_mode == "decoding":
+            raise ValueError(
+                "rollout.spec.verify_mode=decoding verifies each slot's stored draft inside "
+                "decoding: set rollout.spec.reuse=slot with it (reuse=trie scores the whole trie "
+                "in one pass)"
             )
         if spec.reuse == "trie" and self.rollout.name != "hf":
             raise ValueError(

@@ -1,4 +1,5 @@
 import json
+import os
 
 import pytest
 import torch
@@ -10,6 +11,19 @@ from specrl.toy_policy import build_tokenizer
 
 EOS = 1
 PAD = 0
+
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # pytest runs one worker per core (pyproject's addopts): each computes on one thread, and so
+    # do the runs it starts in subprocesses; two threads per worker on 2 cores ran ~7x slower
+    torch.set_num_threads(1)
+    os.environ["OMP_NUM_THREADS"] = "1"
+
+
+def pytest_collection_modifyitems(items):
+    """Tests that start a local Ray cluster run one after another, on one pytest worker."""
+    for item in items:
+        if item.get_closest_marker("ray"):
+            item.add_marker(pytest.mark.xdist_group("ray"))
 
 
 def make_tiny_model(

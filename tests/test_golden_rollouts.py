@@ -19,12 +19,18 @@ ARMS = {
     "lenient": ["rollout.spec.enabled=true", "rollout.spec.acceptance=specrl",
                 "rollout.spec.tree.enabled=false"],
     "exact": ["rollout.spec.enabled=true", "rollout.spec.acceptance=exact",
-              "rollout.spec.tree.enabled=false"],
+              "rollout.spec.reuse=slot", "rollout.spec.tree.enabled=false"],
     "lenient+tree": ["rollout.spec.enabled=true", "rollout.spec.acceptance=specrl",
                      "rollout.spec.tree.enabled=true", "rollout.spec.tree.adaptive=false",
                      "rollout.spec.tree.online=true"],
     "exact+tree": ["rollout.spec.enabled=true", "rollout.spec.acceptance=exact",
-                   "rollout.spec.tree.enabled=true", "rollout.spec.tree.adaptive=false"],
+                   "rollout.spec.reuse=slot", "rollout.spec.tree.enabled=true",
+                   "rollout.spec.tree.adaptive=false"],
+    "trie": ["rollout.spec.enabled=true", "rollout.spec.acceptance=exact",
+             "rollout.spec.reuse=trie", "rollout.spec.tree.enabled=false"],
+    "trie+tree": ["rollout.spec.enabled=true", "rollout.spec.acceptance=exact",
+                  "rollout.spec.reuse=trie", "rollout.spec.tree.enabled=true",
+                  "rollout.spec.tree.adaptive=false"],
 }  # fmt: skip
 GOLDEN = {  # per arm: the hashes of the four steps' rollouts, their logprob sums
     "vanilla": ("5624125d7f5f0100-1bbcc8df2afddbe8-0cf498f3b2304caf-fea1a444c5ab09fd", [-120.356, -66.221, -57.603, -99.242]),
@@ -32,6 +38,9 @@ GOLDEN = {  # per arm: the hashes of the four steps' rollouts, their logprob sum
     "exact": ("5624125d7f5f0100-1bbcc8df2afddbe8-bfa7e55d891903dd-61379b138e4313fb", [-120.356, -66.221, -55.185, -91.879]),
     "lenient+tree": ("5624125d7f5f0100-1bbcc8df2afddbe8-1988264507606087-5d0490143337aa25", [-120.356, -66.22, -104.108, -184.968]),
     "exact+tree": ("5624125d7f5f0100-1bbcc8df2afddbe8-bfa7e55d891903dd-61379b138e4313fb", [-120.356, -66.221, -55.185, -91.879]),
+    # trie rollouts are vanilla's samples, token for token: the same training, the same hashes
+    "trie": ("5624125d7f5f0100-1bbcc8df2afddbe8-0cf498f3b2304caf-fea1a444c5ab09fd", [-120.356, -66.221, -57.603, -99.242]),
+    "trie+tree": ("5624125d7f5f0100-1bbcc8df2afddbe8-0cf498f3b2304caf-fea1a444c5ab09fd", [-120.356, -66.221, -57.603, -99.242]),
 }  # fmt: skip
 
 

@@ -60,7 +60,7 @@ def engine(seed=0, vocab=VOCAB):
 
 
 def stage(target, budget=16, **spec):
-    cfg = SpecConfig(enabled=True, tree=TreeConfig(enabled=False), **spec)
+    cfg = SpecConfig(enabled=True, reuse="slot", tree=TreeConfig(enabled=False), **spec)
     return SpeculativeStage(target, SAMPLING, budget, cfg)
 
 

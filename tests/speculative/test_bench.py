@@ -48,6 +48,12 @@ def test_bench_trains_every_arm_and_writes_json_and_plot(tiny_policy_dir, tmp_pa
     assert arms["tree"]["decoded_tokens"] == arms["vanilla"]["decoded_tokens"]
     assert arms["tree"]["final_acc"] == arms["vanilla"]["final_acc"]
     assert arms["spec+tree"]["decoded_tokens"] == arms["spec"]["decoded_tokens"]
+    # trie rollouts are vanilla's samples (the exact rule, whatever the bench's): same training,
+    # fewer tokens decoded
+    assert arms["trie"]["final_acc"] == arms["vanilla"]["final_acc"]
+    assert arms["trie"]["decoded_tokens"] < arms["vanilla"]["decoded_tokens"]
+    assert arms["trie"]["trie_nodes_per_step"] > 0 and arms["vanilla"]["trie_nodes_per_step"] == 0
+    assert 0 < arms["trie"]["reused_token_ratio_per_epoch"]["1"] <= 1
     # the vanilla arm never reads the store; the spec arm starts reusing once prompts repeat
     vanilla = [
         json.loads(x)
@@ -62,7 +68,7 @@ def test_arms_are_checked(capsys, tmp_path):
         parse_arms("vanilla,fast")
     assert main(["bench", "--arms", "spec,tree"]) == 2
     err = capsys.readouterr().err
-    assert "give vanilla and at least one of spec, spec-in-decoding, tree, spec+tree" in err
+    assert "give vanilla and at least one of spec, trie, spec-in-decoding, tree, spec+tree" in err
     lenient = load_config(None, ["rollout.spec.acceptance=specrl"])
     with pytest.raises(UserError, match=r"--arms spec-in-decoding: invalid config: rollout\.spec"):
         run_bench(lenient, tmp_path, ("vanilla", "spec", "spec-in-decoding"))  # before training

@@ -20,7 +20,9 @@ NO_TREE = TreeConfig(enabled=False)  # SPEC-RL prefix reuse alone; tree drafts: 
 
 
 def stage(engine, **spec):
-    return SpeculativeStage(engine, SAMPLING, R, SpecConfig(enabled=True, tree=NO_TREE, **spec))
+    return SpeculativeStage(
+        engine, SAMPLING, R, SpecConfig(enabled=True, reuse="slot", tree=NO_TREE, **spec)
+    )
 
 
 def tokens(rollouts):
@@ -72,7 +74,7 @@ def test_exported_prompts_give_a_fresh_stage_the_same_next_rollouts(tree):
     the original stage would have produced, and nothing of the other prompts comes along."""
     engine = HFEngine(make_tiny_model(seed=0, init=0.5), [EOS], PAD)
     tree_cfg = TreeConfig(enabled=tree, adaptive=False)
-    spec = SpecConfig(enabled=True, tree=tree_cfg)
+    spec = SpecConfig(enabled=True, reuse="slot", tree=tree_cfg)
     kept = SpeculativeStage(engine, SAMPLING, R, spec)
     kept(PROMPTS, 4, ("s", 1), 1)
     moved = SpeculativeStage(engine, SAMPLING, R, spec)
@@ -122,7 +124,9 @@ def test_exact_rule_matches_the_target_distribution_with_adversarial_drafts(acce
         target,
         SAMPLING,
         max_len,
-        SpecConfig(enabled=True, acceptance=acceptance, log_lenience=2.0, tree=NO_TREE),
+        SpecConfig(
+            enabled=True, acceptance=acceptance, reuse="slot", log_lenience=2.0, tree=NO_TREE
+        ),
     )
     for r in sample_rollouts(drafter, [prompt], n, SAMPLING, max_len, ("draft",), 0):
         spec.store.put(r)

@@ -156,7 +156,9 @@ SAMPLING = SamplingParams(1.0)
 
 def tree_stage(engine, spec=False, **tree):
     tree = {"enabled": True, "adaptive": False, **tree}
-    return SpeculativeStage(engine, SAMPLING, 12, SpecConfig(enabled=spec, tree=TreeConfig(**tree)))
+    return SpeculativeStage(
+        engine, SAMPLING, 12, SpecConfig(enabled=spec, reuse="slot", tree=TreeConfig(**tree))
+    )
 
 
 @pytest.mark.parametrize("online", [True, False])
@@ -179,7 +181,10 @@ def test_tree_drafts_speed_decoding_without_changing_rollouts(online):
 def test_spec_rl_plus_tree_equals_spec_rl_alone(engine):
     runs = [
         SpeculativeStage(
-            engine, SAMPLING, 12, SpecConfig(enabled=True, tree=TreeConfig(enabled=False))
+            engine,
+            SAMPLING,
+            12,
+            SpecConfig(enabled=True, reuse="slot", tree=TreeConfig(enabled=False)),
         ),
         tree_stage(engine, spec=True),
     ]
