@@ -115,7 +115,7 @@ def ensure_toy_policy(
     try:
         lock.acquire(blocking=False)
     except Timeout:
-        log(f"another process is building the tiny policy into {path}: waiting for it")
+        log(f"waiting for another process's build of {path}")
         lock.acquire()
     try:
         if (path / "build.json").is_file() and not force:

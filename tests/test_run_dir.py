@@ -71,13 +71,14 @@ def test_a_second_run_into_the_same_dir_is_refused_and_the_first_is_intact(
         f"specrl: error: trainer.output_dir {str(run)!r} is in use by another specrl run (pid "
         f"{first.pid}); wait for it to finish or choose another trainer.output_dir"
     ]
-    assert first.wait() == 0, first.stderr.read()
+    first.send_signal(signal.SIGINT)  # it saves and stops
+    assert first.wait() == 128 + signal.SIGINT, first.stderr.read()
     logged = [m["training/global_step"] for m in read_metrics(run)]
-    assert logged == list(range(151))  # every step once, in order: nothing interleaved
+    assert logged == list(range(len(logged)))  # every step once, in order: nothing interleaved
     # the lock went with the first process: a third run may resume there
-    resume = train_command(tiny_policy_dir, run, "trainer.total_training_steps=151")
+    resume = train_command(tiny_policy_dir, run, f"trainer.total_training_steps={len(logged)}")
     assert main(resume[3:]) == 0
-    assert read_metrics(run)[-1]["training/global_step"] == 151
+    assert read_metrics(run)[-1]["training/global_step"] == len(logged)
 
 
 def test_starting_over_moves_the_earlier_run_aside(tiny_policy_dir, tmp_path):
@@ -92,13 +93,23 @@ def test_starting_over_moves_the_earlier_run_aside(tiny_policy_dir, tmp_path):
     assert [m["training/global_step"] for m in read_metrics(tmp_path)] == [0, 1, 2]
 
 
+@pytest.fixture(scope="module")
+def straight_run(tiny_policy_dir, tmp_path_factory) -> list[dict]:
+    """The metrics of an uninterrupted 10-step run."""
+    straight = tmp_path_factory.mktemp("straight")
+    subprocess.run(train_command(tiny_policy_dir, straight, STEPS), check=True)
+    return read_metrics(straight)
+
+
+STEPS = "trainer.total_training_steps=10"
+
+
 @pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
 def test_an_interrupted_run_saves_and_its_rerun_resumes_as_if_uninterrupted(
-    tiny_policy_dir, tmp_path, signum
+    tiny_policy_dir, straight_run, tmp_path, signum
 ):
-    straight, run = tmp_path / "straight", tmp_path / "run"
-    steps = "trainer.total_training_steps=10"
-    subprocess.run(train_command(tiny_policy_dir, straight, steps), check=True)
+    steps = STEPS
+    run = tmp_path / "run"
     process = subprocess.Popen(
         train_command(tiny_policy_dir, run, steps, "trainer.save_freq=0"),
         stderr=subprocess.PIPE,
@@ -114,7 +125,7 @@ def test_an_interrupted_run_saves_and_its_rerun_resumes_as_if_uninterrupted(
     assert f"saved {run / 'checkpoints' / f'global_step_{step}'}" in lines[0]
     assert lines[0].endswith("rerun the same command to resume")
     subprocess.run(train_command(tiny_policy_dir, run, steps, "trainer.save_freq=0"), check=True)
-    a, b = read_metrics(straight), read_metrics(run)
+    a, b = straight_run, read_metrics(run)
     assert [m["training/global_step"] for m in b] == list(range(11))
     for x, y in zip(a, b, strict=True):
         for key in ("critic/score/mean", "response_length/mean", "actor/pg_loss"):

@@ -1,5 +1,6 @@
 """Multi-turn episodes: loss mask, reuse across turns, exactness, finish reasons, errors."""
 
+import copy
 import math
 import time
 from itertools import product
@@ -206,20 +207,33 @@ def episode_probabilities(target, prompt, budget, tokenizer):
     return probs
 
 
+EPISODE_PROMPT = Prompt((2, 3), Example("ab", "", "test"))
+EPISODES, BUDGET = 20_000, 5
+
+
+@pytest.fixture(scope="module")
+def drafted_episodes():
+    """The state of a stage that rolled out 20k two-turn episodes of another policy: every slot's
+    stored episode a draft from that policy."""
+    factory = EnvironmentFactory(Branching, "branching", 5.0)
+    episodes = EpisodeLoop(factory, char_tokenizer(), 2, BUDGET)
+    drafts = EpisodeStage(stage(engine(9, SMALL_VOCAB), BUDGET), episodes)
+    drafts([EPISODE_PROMPT], EPISODES, ("draft",), 0)
+    return episodes, drafts.state_dict()
+
+
 @pytest.mark.parametrize(("acceptance", "exact"), [("exact", True), ("specrl", False)])
-def test_exact_rule_keeps_whole_episodes_distributed_as_the_policy(acceptance, exact):
+def test_exact_rule_keeps_whole_episodes_distributed_as_the_policy(
+    drafted_episodes, acceptance, exact
+):
     """20k two-turn episodes whose stored drafts (turns and observations) come from another
     policy: under the exact rule whole episodes are distributed as the current policy's own
     (chi-square, p > 1e-3); the lenient rule is detected by the same test (it has power)."""
-    tokenizer, budget, n = char_tokenizer(), 5, 20_000
-    prompt = Prompt((2, 3), Example("ab", "", "test"))
-    target, drafter = (engine(seed, SMALL_VOCAB) for seed in (5, 9))
-    factory = EnvironmentFactory(Branching, "branching", 5.0)
-    episodes = EpisodeLoop(factory, tokenizer, 2, budget)
-    drafts = EpisodeStage(stage(drafter, budget), episodes)
-    drafts([prompt], n, ("draft",), 0)
+    tokenizer, budget, n, prompt = char_tokenizer(), BUDGET, EPISODES, EPISODE_PROMPT
+    target = engine(5, SMALL_VOCAB)
+    episodes, state = drafted_episodes
     spec = EpisodeStage(stage(target, budget, acceptance=acceptance, log_lenience=2.0), episodes)
-    spec.load_state_dict(drafts.state_dict())
+    spec.load_state_dict(copy.deepcopy(state))
     rollouts, stats = spec([prompt], n, ("spec",), 1)
     assert 0 < stats.turn_reused_tokens[1] < stats.turn_response_tokens[1]  # drafts partly kept
 

@@ -156,7 +156,8 @@ def test_trie_reuse_is_the_exact_rules_default_on_the_transformers_engine():
     assert load_config(None, []).rollout.spec.reuse == "trie"
     assert load_config(None, ["rollout.spec.acceptance=specrl"]).rollout.spec.reuse == "slot"
     assert load_config(None, ["rollout.name=vllm"]).rollout.spec.reuse == "slot"
+    full = ["rollout.spec.verify_mode=full"]
     with pytest.raises(ConfigError, match="reuse=trie samples every token as vanilla"):
         load_config(None, ["rollout.spec.reuse=trie", "rollout.spec.acceptance=specrl"])
     with pytest.raises(ConfigError, match="reuse=trie needs an engine that scores tries"):
-        load_config(None, ["rollout.spec.reuse=trie", "rollout.name=vllm"])
+        load_config(None, ["rollout.spec.reuse=trie", "rollout.name=vllm", *full])
