@@ -1,7 +1,7 @@
 """The built-in default end to end, in minutes: the shipped policies are their builds, a build
-runs and caches (once, however many processes want it), and the default run trains in one
-process, on two Ray rollout workers and two learner ranks, with a critic, and on the
-calculator's episodes. How far RL gets over whole runs is measured by `specrl bench`
+runs and caches (once, however many processes want it), and the default run trains, with a
+critic too, and on the calculator's episodes (on two Ray rollout workers and two learner ranks
+it trains as in one process: tests/distributed/test_learner_group.py). How far RL gets over whole runs is measured by `specrl bench`
 (benchmarks/README.md), not re-proved here."""
 
 import json
@@ -80,6 +80,7 @@ def test_the_shipped_policies_are_their_builds(task):
     assert abs(again["val_acc"] - report["val_acc"]) <= 0.02  # float order differs by CPU
 
 
+@pytest.mark.slow
 def test_a_build_runs_once_for_concurrent_processes_and_is_cached(tmp_path):
     spec = ToyPolicySpec(hidden_size=32, num_layers=1, num_heads=2, sft_steps=20, sft_batch_size=8)
     build = (
@@ -107,6 +108,7 @@ def test_a_build_runs_once_for_concurrent_processes_and_is_cached(tmp_path):
         assert file.stat().st_mode & 0o777 == 0o644, file
 
 
+@pytest.mark.slow
 def test_the_default_run_learns(tmp_path):
     """The default config (speculative, exact rule) on the shipped policy: training reward
     rises, and rollouts reuse from the second epoch on."""
@@ -115,35 +117,7 @@ def test_the_default_run_learns(tmp_path):
     assert all(m["spec/reused_token_ratio"] > 0.3 for m in metrics[2:]), metrics
 
 
-@pytest.mark.ray
-def test_two_rollout_workers_and_two_learner_ranks_train_as_one_process(tmp_path):
-    """The default run on two Ray rollout workers and two learner ranks: its first step's
-    rollouts are the one-process run's, bitwise (the same weights and seeds; the equivalence of
-    every later step is tests/distributed's), and it goes on reusing and learning."""
-    pytest.importorskip("ray", reason="ray is not installed (pip install 'specrl[ray]')")
-    spread = train(
-        tmp_path / "spread",
-        *SHORT,
-        "trainer.total_epochs=3",
-        "rollout.num_workers=2",
-        "actor.num_workers=2",
-        "ray_kwargs.ray_init.num_cpus=4",
-    )
-    assert [m["training/global_step"] for m in spread] == [0, 1, 2, 3]
-    assert all(m["rollout/num_workers"] == 2 for m in spread[1:])
-    assert all(m["spec/reused_token_ratio"] > 0.3 for m in spread[2:])
-    assert spread[3]["critic/score/mean"] > spread[1]["critic/score/mean"]
-    from specrl.config import load_config
-    from specrl.trainer import Trainer
-
-    one = Trainer(load_config(None, [f"trainer.output_dir={tmp_path / 'one'}", *SHORT]))
-    one.global_step = 1
-    first: dict[str, float] = {}
-    rollouts, scores = one.collect_rollouts(first)
-    assert sum(scores.scores) / len(rollouts) == spread[1]["critic/score/mean"]
-    assert first["spec/response_tokens"] == spread[1]["spec/response_tokens"]
-
-
+@pytest.mark.slow
 def test_the_default_run_with_a_critic_trains(tmp_path):
     """PPO with GAE: a value model from the policy's warm start with a fresh head learns the
     returns (its loss falls) while the policy learns as with GRPO."""
@@ -156,6 +130,7 @@ def test_the_default_run_with_a_critic_trains(tmp_path):
     assert_learns(metrics, 0.05)
 
 
+@pytest.mark.slow
 def test_the_calculator_episodes_train(tmp_path):
     """data.task=calculator on its shipped policy: episodes call the calculator, their reward
     rises, and from the second epoch on later turns reuse."""

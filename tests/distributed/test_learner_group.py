@@ -72,6 +72,9 @@ def test_a_critic_on_two_ranks_trains_as_on_one(ray_cluster, tiny_policy_dir, tm
 
 
 def test_fsdp2_ranks_next_to_rollout_workers(ray_cluster, tiny_policy_dir, tmp_path):
+    """Speculative training (the default: exact rule, history tries) on two rollout workers and
+    two FSDP2 learner ranks: every step's metrics and the held-out accuracy are the
+    one-process run's."""
     one = _run(tiny_policy_dir, tmp_path / "one", "actor.num_workers=1")
     both = _run(tiny_policy_dir, tmp_path / "both", "actor.num_workers=2",
                 "actor.strategy=fsdp2", "rollout.num_workers=2")  # fmt: skip

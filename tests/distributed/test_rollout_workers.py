@@ -134,15 +134,22 @@ def test_one_worker_is_in_process_bitwise_and_two_agree(
     assert later.tree_draft_tokens > 0
 
 
+@pytest.fixture(scope="module")
+def clean_rounds(ray_cluster, peaked_policy_dir, tmp_path_factory):
+    """The rounds of two workers under the exact rule, without faults."""
+    out = tmp_path_factory.mktemp("clean")
+    return _on_workers(peaked_policy_dir, out, [*RULES["exact"], "rollout.num_workers=2"])[0]
+
+
 def test_a_worker_dying_or_hanging_mid_rollout_loses_nothing(
-    ray_cluster, peaked_policy_dir, tmp_path
+    ray_cluster, peaked_policy_dir, clean_rounds, tmp_path
 ):
     overrides = [
         *RULES["exact"],
         "rollout.num_workers=2",
         "rollout.fault_tolerance.step_timeout_s=10",  # a call here takes well under 1 s
     ]
-    clean, _, _ = _on_workers(peaked_policy_dir, tmp_path, overrides)
+    clean = clean_rounds
     faults = [(2, 0, "exit"), (3, 1, "hang")]
     killed, stats, live = _on_workers(peaked_policy_dir, tmp_path, overrides, faults=faults)
     _assert_same(clean, killed, atol=0.0)  # restarted, given their shards, the same calls: bitwise
@@ -151,14 +158,14 @@ def test_a_worker_dying_or_hanging_mid_rollout_loses_nothing(
 
 
 def test_restarts_exhausted_the_run_goes_on_with_fewer_workers(
-    ray_cluster, peaked_policy_dir, tmp_path
+    ray_cluster, peaked_policy_dir, clean_rounds, tmp_path
 ):
     overrides = [
         *RULES["exact"],
         "rollout.num_workers=2",
         "rollout.fault_tolerance.max_restarts=0",
     ]
-    clean, _, _ = _on_workers(peaked_policy_dir, tmp_path, overrides)
+    clean = clean_rounds
     killed, stats, live = _on_workers(
         peaked_policy_dir, tmp_path, overrides, faults=[(2, 1, "exit")]
     )
