@@ -76,14 +76,15 @@ class RolloutStats:
     @classmethod
     def of_workers(cls, stats: Sequence[RolloutStats], wall_s: float) -> RolloutStats:
         """One call over several workers, each holding a shard: counts and the sizes of the
-        shards add up; the timings are the slowest worker's (they ran side by side), the
-        rollout time the caller's `wall_s`; the acceptance estimate is the workers' mean."""
+        shards add up; the timings and the slowest slot's forwards are the slowest worker's (they
+        ran side by side), the rollout time the caller's `wall_s`; the acceptance estimate is the workers' mean."""
         out = cls.total(stats)
         for name in GAUGE_SUMS:
             setattr(out, name, sum(getattr(s, name) for s in stats))
         for flag in ("speculative", "tree", "lenient"):
             setattr(out, flag, any(getattr(s, flag) for s in stats))
         out.verify_s = max((s.verify_s for s in stats), default=0.0)
+        out.slowest_forwards = max((s.slowest_forwards for s in stats), default=0)
         out.gen_s = max((s.gen_s for s in stats), default=0.0)
         out.rollout_s = wall_s
         out.tree_acceptance_estimate = float(
