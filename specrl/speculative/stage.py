@@ -3,7 +3,10 @@
 `SpeculativeStage` owns everything speculative: the `RolloutStore` of drafts, the token trees
 and the draft-width statistics. Every call runs drafts → verify → cut → continue → assemble →
 store (DESIGN.md); with speculation off, or for a prompt seen for the first time, it is plain
-sampling through the same code path. It returns ordinary rollouts and a `RolloutStats` of
+sampling through the same code path. With `reuse=trie` (the exact rule's default where the
+engine scores tries) "drafts → verify → cut" is: score each prompt's history trie (its token
+tree) in one pass, and walk every slot down it with the uniforms vanilla decoding would use
+(`walk_trie`); the slot continues from the node where it leaves the trie. It returns ordinary rollouts and a `RolloutStats` of
 counts. A call takes prompts and a number of slots (`__call__`), or single slots with their own
 token budgets and with or without their stored drafts (`rollout`: the turns of episodes). Its
 state is saved whole (`state_dict`) or per prompt (`export` / `import_`: a prompt's
