@@ -3,8 +3,8 @@
 Arms: vanilla, spec (SPEC-RL: each slot verifies its own stored draft, `rollout.spec.reuse=slot`,
 with token-tree drafts for the decoded tokens where `rollout.spec.tree.enabled` says so, by
 default), trie (every slot walks its prompt's history trie, `reuse=trie`, always under the exact
-rule, its default on the transformers engine; tree drafts as configured), spec-in-decoding (spec with `rollout.spec.verify_mode=decoding`: stored drafts verified inside
-decoding, exact rule), tree (specrl's token-tree drafts only), spec+tree (both, whatever the
+rule, its default on the transformers engine; tree drafts as configured), spec-in-decoding (spec
+with `rollout.spec.verify_mode=decoding`: stored drafts verified inside decoding, exact rule), tree (specrl's token-tree drafts only), spec+tree (both, whatever the
 config), suffix (vLLM's own suffix decoding, `rollout.spec.tree.method=suffix`, no prefix reuse:
 the anchor on the vllm engine) and spec+suffix (prefix reuse verified by a scoring pass, the
 rest drafted by vLLM's suffix decoding); the default is vanilla, spec and trie (vanilla and

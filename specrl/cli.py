@@ -69,7 +69,7 @@ def main(argv: list[str] | None = None) -> int:
     toy.add_argument(
         "--force",
         action="store_true",
-        help="build from scratch into SPECRL_CACHE (3 minutes, calculator 9, on 2 cores), even "
+        help="build from scratch into SPECRL_CACHE (6 minutes, calculator 18, on 2 cores), even "
         "when shipped or cached; use the printed path as model.path",
     )
     toy.add_argument(

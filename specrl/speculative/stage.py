@@ -6,8 +6,8 @@ store (DESIGN.md); with speculation off, or for a prompt seen for the first time
 sampling through the same code path. With `reuse=trie` (the exact rule's default where the
 engine scores tries) "drafts → verify → cut" is: score each prompt's history trie (its token
 tree) in one pass, and walk every slot down it with the uniforms vanilla decoding would use
-(`walk_trie`); the slot continues from the node where it leaves the trie. It returns ordinary rollouts and a `RolloutStats` of
-counts. A call takes prompts and a number of slots (`__call__`), or single slots with their own
+(`walk_trie`); the slot continues from the node where it leaves the trie. It returns ordinary
+rollouts and a `RolloutStats` of counts. A call takes prompts and a number of slots (`__call__`), or single slots with their own
 token budgets and with or without their stored drafts (`rollout`: the turns of episodes). Its
 state is saved whole (`state_dict`) or per prompt (`export` / `import_`: a prompt's
 drafts and tree, what moves with a prompt between workers that own shards of prompts).
@@ -408,20 +408,19 @@ class SpeculativeStage:
         pass, and walk each such slot down it (`walk_trie`), with the uniforms of its seed
         at its response positions: what vanilla decoding would draw there."""
         started = time.perf_counter()
-        walkers = [
-            i
+        walkers = {  # slot → its prompt's trie
+            i: tree
             for i, s in enumerate(slots)
             if s.reuse and (tree := self.tree.get(s.prompt.prompt_id)) is not None and tree.nodes
-        ]
+        }
         if not walkers:
             return
         tries: dict[tuple, int] = {}  # (prompt id, context) → its request
         requests = []
-        for i in walkers:
+        for i, tree in walkers.items():
             prompt = slots[i].prompt
             if (prompt.prompt_id, prompt.ids) not in tries:
                 tries[prompt.prompt_id, prompt.ids] = len(requests)
-                tree = self.tree.get(prompt.prompt_id)
                 requests.append(
                     TrieRequest(prompt.ids, tree.parent[1:], tree.token[1:], self.sampling)
                 )
@@ -433,10 +432,9 @@ class SpeculativeStage:
         first = torch.tensor([len(slots[i].prompt.ids) for i in walkers])[:, None]
         positions = first + torch.arange(max(slots[i].budget for i in walkers))[None, :]
         uniforms = seeded_uniform(seeds.expand_as(positions), positions).numpy()  # [S, R]
-        for row, i in enumerate(walkers):
+        for row, (i, tree) in enumerate(walkers.items()):
             s = slots[i]
             trie = scores[tries[s.prompt.prompt_id, s.prompt.ids]]
-            tree = self.tree.get(s.prompt.prompt_id)
             s.walked = walk_trie(tree, trie, uniforms[row], s.budget, self.engine.eos_token_ids)
         stats.verify_s += time.perf_counter() - started
 
