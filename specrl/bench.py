@@ -3,12 +3,12 @@
 Arms: vanilla, spec (SPEC-RL: each slot verifies its own stored draft, `rollout.spec.reuse=slot`,
 with token-tree drafts for the decoded tokens where `rollout.spec.tree.enabled` says so, by
 default), trie (every slot walks its prompt's history trie, `reuse=trie`, always under the exact
-rule, its default on the transformers engine; tree drafts as configured), spec-in-decoding (spec
+rule, its default unless drafts are verified in decoding; tree drafts as configured), spec-in-decoding (spec
 with `rollout.spec.verify_mode=decoding`: stored drafts verified inside decoding, exact rule), tree (specrl's token-tree drafts only), spec+tree (both, whatever the
 config), suffix (vLLM's own suffix decoding, `rollout.spec.tree.method=suffix`, no prefix reuse:
 the anchor on the vllm engine) and spec+suffix (prefix reuse verified by a scoring pass, the
-rest drafted by vLLM's suffix decoding); the default is vanilla, spec and trie (vanilla and
-spec on vLLM), `--arms` picks others.
+rest drafted by vLLM's suffix decoding); the default is vanilla, spec and trie, `--arms`
+picks others.
 `--seeds 1,2,3` trains every arm once per seed: one run's final accuracy on a small held-out set
 moves by a few points from seed to seed.
 
@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import functools
 import json
+import os
 import platform
 from collections.abc import Sequence
 from importlib import metadata
@@ -41,7 +42,8 @@ SLOT = {"enabled": True, "reuse": "slot"}
 ARMS = {  # arm → what it sets under rollout.spec (the rest as configured)
     "vanilla": {"enabled": False, "tree.enabled": False},
     "spec": SLOT,
-    "trie": {"enabled": True, "acceptance": "exact", "reuse": "trie"},
+    # verify_mode only concerns slot drafts; full keeps vllm's resolved `decoding` off the walk
+    "trie": {"enabled": True, "acceptance": "exact", "reuse": "trie", "verify_mode": "full"},
     "spec-in-decoding": {**SLOT, "verify_mode": "decoding", "tree.method": "specrl"},
     "tree": {"enabled": False, **SPECRL_TREES},
     "spec+tree": {**SLOT, **SPECRL_TREES},
@@ -50,9 +52,7 @@ ARMS = {  # arm → what it sets under rollout.spec (the rest as configured)
 }
 
 
-def default_arms(engine: str) -> tuple[str, ...]:
-    """vanilla, spec and trie; vanilla and spec on an engine that does not score tries."""
-    return ("vanilla", "spec", "trie") if engine == "hf" else ("vanilla", "spec")
+DEFAULT_ARMS = ("vanilla", "spec", "trie")
 
 
 BENCH_PANELS = [
@@ -97,11 +97,12 @@ def run_bench(
     """Every arm once per seed (default: the config's `trainer.seed`); with several seeds each
     seed's runs go to DIR/seed<N>/<arm> and bench.json pools them (see `summarize`)."""
     seeds = list(seeds or [cfg.trainer.seed])
-    arms = arms or default_arms(cfg.rollout.name)
+    arms = arms or DEFAULT_ARMS
     for arm in arms:  # an arm the config cannot run stops the bench before any training
         arm_config(cfg, arm, seeds[0], out_dir)
     runs: dict[str, list[list[dict[str, float]]]] = {arm: [] for arm in arms}
     plotted: dict[str, list[dict[str, float]]] = {}
+    load = {"start": _load_average()}  # the machine's load before and after each run
     for seed in seeds:
         seed_dir = out_dir if len(seeds) == 1 else out_dir / f"seed{seed}"
         for arm in arms:
@@ -110,12 +111,48 @@ def run_bench(
             trainer.fit()
             runs[arm].append(trainer.tracker.history)
             plotted[arm if len(seeds) == 1 else f"{arm} seed {seed}"] = trainer.tracker.history
+            load[f"{arm} seed {seed}"] = _load_average()
     result = summarize(runs, cfg, seeds)
+    result["load_average"] = load
+    result["warnings"] = timing_warnings(result, load, os.cpu_count() or 1)
+    for warning in result["warnings"]:
+        log(f"bench: warning: {warning}")
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "bench.json").write_text(json.dumps(result, indent=2))
     title = f"specrl bench: {', '.join(arms)} ({cfg.rollout.spec.acceptance} rule)"
     plot_metrics(plotted, [*BENCH_PANELS, TREE_PANEL], out_dir / "bench.png", title)
     return result
+
+
+def timing_warnings(result: dict[str, Any], load: dict[str, list[float]], cores: int) -> list[str]:
+    """What makes the timings of a bench untrustworthy: a machine already busy when it started
+    (1-minute load average ≥ half the cores), busier than the runs themselves make it (≥ 1.5x
+    the cores after a run), or an arm faster than its own limit `1 / ((1 − a) + r_eff · a)`,
+    which only a disturbed vanilla arm produces."""
+    warnings = []
+    if load["start"][0] >= cores / 2:
+        warnings.append(
+            f"the machine was busy when the bench started (load average {load['start'][0]:.2f} "
+            f"on {cores} cores): run benchmarks alone"
+        )
+    busy = [run for run, (one, *_) in load.items() if run != "start" and one >= 1.5 * cores]
+    if busy:
+        warnings.append(
+            f"the machine was busier than the bench makes it after {', '.join(busy)} (1-minute "
+            f"load average ≥ {1.5 * cores:g} on {cores} cores): other work disturbed the timings"
+        )
+    for arm, summary in result["arms"].items():
+        if arm != "vanilla" and summary["rollout_speedup"] > 1.02 * summary["limit_speedup"]:
+            warnings.append(
+                f"the {arm} arm's rollout speedup {summary['rollout_speedup']:.2f} exceeds its "
+                f"limit {summary['limit_speedup']:.2f}: the vanilla arm was slowed by something "
+                "else; rerun alone"
+            )
+    return warnings
+
+
+def _load_average() -> list[float]:
+    return [round(x, 2) for x in os.getloadavg()]
 
 
 def arm_config(cfg: Config, arm: str, seed: int, seed_dir: Path) -> Config:

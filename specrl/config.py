@@ -84,7 +84,8 @@ class DataConfig(Section):
 class ModelConfig(Section):
     path: str | None = Field(
         None,
-        description="local Hugging Face causal LM directory; None builds/uses the built-in tiny policy",
+        description="local Hugging Face causal LM directory, or builtin:smollm2-135m-instruct "
+        "(converted once from its package); None uses the built-in task's tiny policy",
     )
     dtype: Literal["float32", "bfloat16", "float16"] = Field(
         "float32", description="parameter dtype of policy and engine"
@@ -142,14 +143,15 @@ class SpecConfig(Section):
         description="what a slot reuses. trie: every slot walks its prompt's history trie (the "
         "responses of all slots over the last tree.window rollouts, scored in one pass), "
         "sampling each token as vanilla decoding would (exact rule only); slot: its own stored "
-        "draft (SPEC-RL). auto: trie under the exact rule on engines that score tries, else slot",
+        "draft (SPEC-RL). auto: trie under the exact rule unless verify_mode is decoding (vllm's "
+        "auto), else slot",
     )
     verify_mode: Literal["auto", "full", "chunked", "decoding"] = Field(
         "auto",
         description="full: one pass over every draft; chunked: stop each draft at its first "
         "rejection; decoding: the stored draft is the engine's first draft tokens, verified "
         "inside decoding (exact rule only); auto: decoding on rollout.name=vllm under the exact "
-        "rule with tree.method=specrl (measured faster there), else full",
+        "rule with tree.method=specrl and reuse not trie (measured faster there), else full",
     )
     verify_chunk_size: int = Field(
         16, ge=1, description="draft tokens per pass in chunked verification"
@@ -381,6 +383,10 @@ class RolloutCorrectionConfig(Section):
         return "sequence" if spec.enabled and spec.acceptance == "specrl" else None
 
 
+# the estimators whose baseline is the prompt's group: a group of one (rollout.n=1) learns nothing
+GROUP_BASELINES = frozenset({"grpo", "rloo", "reinforce_plus_plus_baseline"})
+
+
 class AlgorithmConfig(Section):
     adv_estimator: Literal[
         "grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "gae"
@@ -455,7 +461,9 @@ class TrainerConfig(Section):
     total_training_steps: int | None = Field(
         None, ge=1, description="stop after this many steps (None: total_epochs decides)"
     )
-    test_freq: int = Field(16, ge=0, description="evaluate every this many steps; 0 disables")
+    test_freq: int = Field(
+        16, ge=0, description="evaluate every this many steps and at the end; 0 never (as verl)"
+    )
     val_before_train: bool = Field(True, description="evaluate before the first step")
     save_freq: int = Field(
         16,
@@ -476,7 +484,12 @@ class TrainerConfig(Section):
         ge=1,
         description="stop, after saving, when this many steps in a row had non-finite losses",
     )
-    num_threads: int | None = Field(None, ge=1, description="torch CPU threads; None: all cores")
+    num_threads: int | None = Field(
+        None,
+        ge=1,
+        description="torch CPU threads; None: torch's default (the cores); a machine busier than "
+        "the run gets a one-line hint to set 1 (2 threads beside a busy process ran 7x slower)",
+    )
     nnodes: int = Field(
         1, ge=1, description="GPU nodes of the learner group (with n_gpus_per_node)"
     )
@@ -579,10 +592,10 @@ class Config(Section):
         spec = self.rollout.spec
         if spec.verify_mode == "auto":
             on_vllm = self.rollout.name == "vllm" and spec.acceptance == "exact"
-            specrl_drafts = spec.tree.method == "specrl"
-            spec.verify_mode = "decoding" if on_vllm and specrl_drafts else "full"
-        if spec.reuse == "auto":  # the hf engine scores tries
-            spec.reuse = "trie" if spec.walks_tries(self.rollout.name == "hf") else "slot"
+            slot_drafts = spec.tree.method == "specrl" and spec.reuse != "trie"
+            spec.verify_mode = "decoding" if on_vllm and slot_drafts else "full"
+        if spec.reuse == "auto":  # both built-in engines score tries
+            spec.reuse = "trie" if spec.walks_tries(trie_scoring=True) else "slot"
         return self
 
     @model_validator(mode="after")
@@ -598,11 +611,16 @@ class Config(Section):
                 f"actor.ppo_mini_batch_size ({self.actor.ppo_mini_batch_size}) must not exceed "
                 f"data.train_batch_size ({self.data.train_batch_size})"
             )
-        if self.rollout.n < 2:
+        if self.rollout.n < 2 and self.algorithm.adv_estimator in GROUP_BASELINES:
             raise ValueError(
                 f"rollout.n=1 with algorithm.adv_estimator={self.algorithm.adv_estimator} gives "
                 "every rollout an advantage of 0 (a group of one has no baseline to beat): "
-                "nothing would be learned; set rollout.n >= 2"
+                "nothing would be learned; set rollout.n >= 2, or use gae or reinforce_plus_plus"
+            )
+        if self.rollout.n < 2 and self.algorithm.filter_groups.enable:
+            raise ValueError(
+                "algorithm.filter_groups drops groups whose scores are all equal, and a group "
+                "of one always is: set rollout.n >= 2"
             )
         if self.rollout.enable_sleep_mode and self.rollout.name != "vllm":
             raise ValueError("rollout.enable_sleep_mode needs rollout.name=vllm")
@@ -632,11 +650,6 @@ class Config(Section):
                 "rollout.spec.verify_mode=decoding verifies each slot's stored draft inside "
                 "decoding: set rollout.spec.reuse=slot with it (reuse=trie scores the whole trie "
                 "in one pass)"
-            )
-        if spec.reuse == "trie" and self.rollout.name != "hf":
-            raise ValueError(
-                "rollout.spec.reuse=trie needs an engine that scores tries in one pass "
-                "(rollout.name=hf); on vllm use rollout.spec.reuse=slot"
             )
         if spec.tree.method == "suffix" and self.rollout.name != "vllm":
             raise ValueError(
@@ -686,7 +699,7 @@ VERL_ALIASES = {
 def load_config(path: str | Path | None = None, overrides: Sequence[str] = (), log=None) -> Config:
     """Defaults, then the YAML file, then `key=value` overrides (values parsed as YAML). verl's
     spellings of a key (VERL_ALIASES) are accepted, with a note to `log`."""
-    pairs = _flatten(_read_yaml(Path(path))) if path is not None else []
+    pairs = flatten(_read_yaml(Path(path))) if path is not None else []
     for item in overrides:
         key, sep, value = item.partition("=")
         if not sep or not key:
@@ -755,21 +768,36 @@ def save_config(cfg: Config, path: Path) -> None:
 
 
 def _unaliased(key: str, log) -> str:
+    """Our name for `key`: verl's prefixes (VERL_ALIASES) mapped, and verl's `X_per_gpu` batch
+    sizes (e.g. ppo_micro_batch_size_per_gpu) are our `X`, which is per learner rank."""
+    mapped = key
     for theirs, ours in VERL_ALIASES.items():
         if key == theirs or (theirs.endswith(".") and key.startswith(theirs)):
             mapped = ours + key.removeprefix(theirs)
-            if log is not None:
-                log(f"note: {key} is verl's name; specrl calls it {mapped}")
-            return mapped
-    return key
+            break
+    if mapped.endswith("_per_gpu") and _is_field(mapped.removesuffix("_per_gpu")):
+        mapped = mapped.removesuffix("_per_gpu")
+    if mapped != key and log is not None:
+        log(f"note: {key} is verl's name; specrl calls it {mapped}")
+    return mapped
 
 
-def _flatten(raw: dict[str, Any], prefix: str = "") -> list[tuple[str, Any]]:
+def _is_field(key: str) -> bool:
+    model: Any = Config
+    for part in key.split("."):
+        field = getattr(model, "model_fields", {}).get(part)
+        if field is None:
+            return False
+        model = field.annotation
+    return True
+
+
+def flatten(raw: dict[str, Any], prefix: str = "") -> list[tuple[str, Any]]:
     """Nested sections → (dotted key, value) pairs; values that are not sections stay whole."""
     out = []
     for key, value in raw.items():
         if isinstance(value, dict) and value:
-            out += _flatten(value, f"{prefix}{key}.")
+            out += flatten(value, f"{prefix}{key}.")
         else:
             out.append((f"{prefix}{key}", value))
     return out
@@ -781,7 +809,10 @@ def _read_yaml(path: Path) -> dict[str, Any]:
     try:
         raw = yaml.safe_load(path.read_text()) or {}
     except yaml.YAMLError as err:
-        raise ConfigError(f"config file {path} is not valid YAML: {err}") from None
+        mark = getattr(err, "problem_mark", None)
+        where = f":{mark.line + 1}:{mark.column + 1}" if mark is not None else ""
+        problem = getattr(err, "problem", None) or str(err).splitlines()[0]
+        raise ConfigError(f"config file {path}{where} is not valid YAML: {problem}") from None
     if not isinstance(raw, dict):
         raise ConfigError(
             f"config file {path} must hold a mapping of sections, not {type(raw).__name__}"

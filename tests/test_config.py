@@ -3,7 +3,7 @@ import sys
 import pytest
 
 from specrl.cli import main
-from specrl.config import ConfigError, load_config
+from specrl.config import GROUP_BASELINES, ConfigError, load_config
 
 
 @pytest.mark.parametrize(
@@ -196,11 +196,19 @@ def test_speculation_is_on_by_default_with_the_exact_rule():
     assert spec.enabled and spec.acceptance == "exact"
 
 
-def test_a_group_of_one_is_refused_at_load():
-    with pytest.raises(
-        ConfigError, match=r"rollout\.n=1 with algorithm\.adv_estimator=grpo .*rollout\.n >= 2"
-    ):
-        load_config(None, ["rollout.n=1"])
+def test_a_group_of_one_is_refused_only_where_the_baseline_is_the_group():
+    for estimator in GROUP_BASELINES:
+        with pytest.raises(
+            ConfigError, match=rf"rollout\.n=1 with algorithm\.adv_estimator={estimator} .*n >= 2"
+        ):
+            load_config(None, ["rollout.n=1", f"algorithm.adv_estimator={estimator}"])
+    for estimator in ("gae", "reinforce_plus_plus"):
+        load_config(None, ["rollout.n=1", f"algorithm.adv_estimator={estimator}"])
+    with pytest.raises(ConfigError, match="filter_groups drops groups whose scores are all"):
+        load_config(
+            None,
+            ["rollout.n=1", "algorithm.adv_estimator=gae", "algorithm.filter_groups.enable=true"],
+        )
 
 
 def test_a_model_dir_without_tokenizer_files_names_them(tmp_path, tiny_policy_dir, capsys):
@@ -222,17 +230,35 @@ def test_verl_spellings_are_accepted_with_a_note(tmp_path):
     path = tmp_path / "verl.yaml"
     path.write_text(
         "actor_rollout_ref:\n  rollout:\n    n: 4\n  actor:\n    optim:\n      lr: 1.0e-5\n"
+        "    ppo_micro_batch_size_per_gpu: 8\ncritic:\n  ppo_micro_batch_size_per_gpu: 2\n"
     )
     cfg = load_config(
         path, ["trainer.default_local_dir=/runs/x", "trainer.logger=console"], log=notes.append
     )
     assert (cfg.rollout.n, cfg.actor.optim.lr) == (4, 1e-5)
+    assert (cfg.actor.ppo_micro_batch_size, cfg.critic.ppo_micro_batch_size) == (8, 2)
     assert (cfg.trainer.output_dir, cfg.trainer.logger) == ("/runs/x", ["console"])
     assert notes == [
         "note: actor_rollout_ref.rollout.n is verl's name; specrl calls it rollout.n",
         "note: actor_rollout_ref.actor.optim.lr is verl's name; specrl calls it actor.optim.lr",
+        "note: actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu is verl's name; specrl "
+        "calls it actor.ppo_micro_batch_size",
+        "note: critic.ppo_micro_batch_size_per_gpu is verl's name; specrl calls it "
+        "critic.ppo_micro_batch_size",
         "note: trainer.default_local_dir is verl's name; specrl calls it trainer.output_dir",
     ]
+    with pytest.raises(ConfigError, match=r"unknown config key 'rollout\.log_prob_micro_batch"):
+        load_config(None, ["actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=4"])
+
+
+def test_a_broken_yaml_file_is_one_line_with_its_position(tmp_path):
+    path = tmp_path / "broken.yaml"
+    path.write_text("rollout:\n  n: 4\n   temperature: [1\n")
+    with pytest.raises(ConfigError) as err:
+        load_config(path)
+    message = str(err.value)
+    assert "\n" not in message
+    assert message.startswith(f"config file {path}:3:") and "is not valid YAML: " in message
 
 
 def test_the_printed_config_describes_every_key_and_loads_back(tmp_path, capsys):

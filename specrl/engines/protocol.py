@@ -8,8 +8,8 @@ by whoever needs it (the speculative stage, the trainer):
   tokens per sequence in each decode forward (model-free speculative decoding);
 - `ragged_drafts` (with `draft_decoding`): a forward computes each sequence's own drafts, not K
   positions for every sequence (vLLM's speculative decoding; the transformers engine pads);
-- `residual_sampling`: `GenRequest.excluded_token` is honoured (the first new token is drawn
-  with that token removed and renormalised: the exact acceptance rule's residual);
+- `residual_sampling`: `GenRequest.excluded_tokens` is honoured (the first new token is drawn
+  with those tokens removed and renormalised: the exact acceptance rule's residual);
 - `prefix_reuse`: `new_prefixes()` returns a `Prefixes` handle. `logprobs(..., prefixes=h)` keeps
   in `h` the KV (and next-token distributions) of every sequence it scores; `generate(...,
   prefixes=h)` continues a request whose context starts a sequence in `h` from there instead of
@@ -24,8 +24,9 @@ by whoever needs it (the speculative stage, the trainer):
   in one pass (every node attends to the prompt and its own ancestors) and returns, per node,
   what the engine's sampler needs to decide whether a slot's next token is that node
   (`TrieScores`); with `prefixes`, decoding that leaves a trie at a node continues from the
-  node's KV. Its samples are coupled with decoding's: at every node the walk and decoding map
-  the same uniform to the same token.
+  node's KV. Where the scores are `coupled`, the walk and decoding map the same uniform to the
+  same token at every node; otherwise decoding after a walk excludes the children of the node
+  it left at (`residual_sampling`).
 """
 
 from __future__ import annotations
@@ -61,9 +62,10 @@ GREEDY = SamplingParams(temperature=0.0)
 class GenRequest:
     """Decode after `prompt_ids + prefix_ids` (the forced prefix is context, not output).
 
-    `excluded_token` (engines with `residual_sampling`): the first new token is drawn from the
-    sampling distribution with this token removed and renormalised. Its reported logprob is
-    under the full distribution.
+    `excluded_tokens` (engines with `residual_sampling`): the first new token is drawn from the
+    sampling distribution with these tokens removed and renormalised (the exact rule's residual
+    after a rejected draft token; after an uncoupled trie walk, the children of the node the
+    slot left the trie at). Its reported logprob is under the full distribution.
     """
 
     prompt_ids: Sequence[int]
@@ -71,7 +73,7 @@ class GenRequest:
     sampling: SamplingParams = SamplingParams()
     seed: int = 0
     prefix_ids: Sequence[int] = ()
-    excluded_token: int | None = None
+    excluded_tokens: tuple[int, ...] = ()
 
 
 @dataclass
@@ -106,14 +108,23 @@ class TrieRequest:
 
 @dataclass(frozen=True)
 class TrieScores:
-    """The current policy over a scored trie, indexed by node (0: the root). The engine's
-    sampler draws the token after node v with a uniform u as the token whose interval holds
-    u · total[v]; node i's token, after its parent, has the interval (low[i], high[i]]."""
+    """The current policy over a scored trie, indexed by node (0: the root). A walk at node v
+    with a uniform u moves to the child whose interval (low[c], high[c]] holds u · total[v], and
+    leaves the trie at v when none does.
+
+    `coupled` (the transformers engine): the intervals are the engine's sampler's own, so
+    decoding from v with the same u draws the token the walk drew, and a walk is token for token
+    vanilla decoding. Otherwise (vLLM, whose sampler specrl does not drive) the children's
+    intervals are laid end to end from 0 with lengths p(c) and total[v] = 1: the walk takes
+    child c with probability p(c), and a slot that leaves at v draws its next token from the
+    residual without v's children (`GenRequest.excluded_tokens`), so its response is
+    distributed exactly as the policy samples."""
 
     logprobs: np.ndarray  # [N + 1] sampling logprob of node i's token after its parent
     low: np.ndarray  # [N + 1] float64
     high: np.ndarray  # [N + 1] float64
-    total: np.ndarray  # [N + 1] float64: the sampler's total mass after node v
+    total: np.ndarray  # [N + 1] float64: the mass u is scaled by after node v
+    coupled: bool = True
 
 
 @dataclass(frozen=True)

@@ -112,13 +112,15 @@ def sample_from_logprobs(logprobs: torch.Tensor, uniform: torch.Tensor) -> torch
     return tokens.clamp_(max=logprobs.shape[-1] - 1)
 
 
-def residual_logprobs(logprobs: torch.Tensor, excluded: Sequence[int | None]) -> torch.Tensor:
-    """logprobs [B, V] with each row's excluded token (None: none) removed and the rest
-    renormalised: the exact acceptance rule's residual after a rejected draft token."""
-    rows = [row for row, token in enumerate(excluded) if token is not None]
+def residual_logprobs(logprobs: torch.Tensor, excluded: Sequence[Sequence[int]]) -> torch.Tensor:
+    """logprobs [B, V] with each row's excluded tokens removed and the rest renormalised: the
+    exact acceptance rule's residual after a rejected draft token (or after the children of the
+    node a slot left its trie at)."""
+    rows = [row for row, tokens in enumerate(excluded) if tokens]
     if not rows:
         return logprobs
     residual = logprobs.clone()
-    residual[rows, [excluded[row] for row in rows]] = float("-inf")
+    for row in rows:
+        residual[row, list(excluded[row])] = float("-inf")
     residual[rows] = residual[rows].log_softmax(-1)
     return residual

@@ -6,11 +6,13 @@ An episode alternates sampled turns and environment observations (env.py) in one
 
 (obs_0 is what the environment's reset returned, often nothing). Each turn of the live episodes
 is one call of the speculative stage, whose `Prompt` is the context so far keyed
-`<prompt id>/turn<t>`: the stage keeps, per (prompt, slot), each turn of the last episode as that
-turn's draft, and a token tree per turn. `ObservationRecord` makes a stored turn a draft only
-while every observation before it equals the stored episode's: once the environment answers
-differently, the rest of the stored episode is no draft (token trees still propose). Under the
-exact rule every sampled token is the current policy's, drafts or not.
+`<prompt id>/turn<t>`: the stage keeps a token tree per turn, the history trie every turn walks
+under `reuse=trie` (scored under the turn's own context, so any turn may walk it). Under
+`reuse=slot` it keeps, per (prompt, slot), each turn of the last episode as that turn's draft,
+and `ObservationRecord` makes a stored turn a draft only while every observation before it
+equals the stored episode's: once the environment answers differently, the rest of the stored
+episode is no draft (token trees still propose). Under the exact rule every sampled token is
+the current policy's, reused or not.
 
 The episode is one `Rollout`: the tokens after the prompt, observations included with loss mask
 0 (logprobs 0.0 there), the environment's summed rewards as its score. `data.max_response_length`
@@ -202,9 +204,12 @@ class EpisodeLoop:
         turn: TurnFn,
         policy_version: int,
         record: ObservationRecord | None = None,
+        every_turn_reuses: bool = False,
     ) -> tuple[list[Rollout], EpisodeStats]:
         """n episodes per prompt (prompt-major) → their rollouts and stats. With a `record`,
-        stored turns are drafts while the observations agree, and the record is updated."""
+        stored turns are drafts while the observations agree, and the record is updated; with
+        `every_turn_reuses` (history tries, scored under each turn's own context) every turn
+        may reuse."""
         stats = EpisodeStats()
         start = time.perf_counter()
         episodes = [self._reset(p, s, stats) for p in prompts for s in range(n)]
@@ -214,7 +219,10 @@ class EpisodeLoop:
                 break
             requests = [
                 SlotRequest(
-                    e.turn_prompt(), e.slot, e.budget, record is not None and record.drafts(e)
+                    e.turn_prompt(),
+                    e.slot,
+                    e.budget,
+                    every_turn_reuses or (record is not None and record.drafts(e)),
                 )
                 for e in live
             ]
@@ -304,7 +312,7 @@ class EpisodeStage:
             return self.stage.rollout(requests, seed_key, policy_version)
 
         record = self.record if self.stage.cfg.enabled else None
-        return self.loop.run(prompts, n, turn, policy_version, record)
+        return self.loop.run(prompts, n, turn, policy_version, record, self.stage.walks)
 
     def state_dict(self) -> dict[str, Any]:
         return {"stage": self.stage.state_dict(), "record": self.record.state_dict()}

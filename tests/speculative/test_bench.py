@@ -98,3 +98,21 @@ def test_bench_pools_seeds(tiny_policy_dir, tmp_path):
         assert result["arms"][arm]["rollout_time_s"] == pytest.approx(rollout)
     # different seeds sample different responses
     assert histories[0][1]["response_length/mean"] != histories[1][1]["response_length/mean"]
+
+
+def test_timings_of_a_disturbed_bench_are_flagged():
+    """A busy machine at the start, a load beyond what the runs make, and an arm faster than
+    its own limit are each named; a quiet bench within its limits gets no warning."""
+    from specrl.bench import timing_warnings
+
+    quiet = {"start": [0.1, 0.5, 1.0], "vanilla seed 1": [2.0, 1.9, 1.5]}
+    arms = {"vanilla": {"rollout_speedup": 1.0, "limit_speedup": 1.0},
+            "trie": {"rollout_speedup": 1.5, "limit_speedup": 1.6}}  # fmt: skip
+    assert timing_warnings({"arms": arms}, quiet, 2) == []
+    busy = {"start": [1.2, 0.5, 1.0], "trie seed 1": [3.5, 2.0, 1.5]}
+    impossible = {**arms, "trie": {"rollout_speedup": 2.03, "limit_speedup": 1.79}}
+    warnings = timing_warnings({"arms": impossible}, busy, 2)
+    assert len(warnings) == 3
+    assert "busy when the bench started (load average 1.20 on 2 cores)" in warnings[0]
+    assert "after trie seed 1" in warnings[1]
+    assert "trie arm's rollout speedup 2.03 exceeds its limit 1.79" in warnings[2]

@@ -152,12 +152,17 @@ def test_trie_rollouts_are_distributed_as_the_policy_with_an_adversarial_history
     assert distribution_pvalue(target, prompt, rollouts, vocab, max_len) > 1e-3
 
 
-def test_trie_reuse_is_the_exact_rules_default_on_the_transformers_engine():
+def test_trie_reuse_is_the_exact_rules_default_unless_drafts_are_verified_in_decoding():
     assert load_config(None, []).rollout.spec.reuse == "trie"
     assert load_config(None, ["rollout.spec.acceptance=specrl"]).rollout.spec.reuse == "slot"
-    assert load_config(None, ["rollout.name=vllm"]).rollout.spec.reuse == "slot"
-    full = ["rollout.spec.verify_mode=full"]
+    on_vllm = load_config(None, ["rollout.name=vllm"]).rollout.spec
+    assert (on_vllm.reuse, on_vllm.verify_mode) == ("slot", "decoding")
+    trie_on_vllm = load_config(None, ["rollout.name=vllm", "rollout.spec.reuse=trie"])
+    assert trie_on_vllm.rollout.spec.verify_mode == "full"
     with pytest.raises(ConfigError, match="reuse=trie samples every token as vanilla"):
         load_config(None, ["rollout.spec.reuse=trie", "rollout.spec.acceptance=specrl"])
-    with pytest.raises(ConfigError, match="reuse=trie needs an engine that scores tries"):
-        load_config(None, ["rollout.spec.reuse=trie", "rollout.name=vllm", *full])
+    with pytest.raises(ConfigError, match="verify_mode=decoding verifies each slot's stored"):
+        load_config(
+            None,
+            ["rollout.spec.reuse=trie", "rollout.name=vllm", "rollout.spec.verify_mode=decoding"],
+        )

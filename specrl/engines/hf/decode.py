@@ -74,7 +74,7 @@ class Decoder:
         done = torch.zeros_like(left)  # new tokens so far
         eos = torch.tensor(sorted(self.eos_token_ids), device=self.device)
         sampling = RowSampling.of([requests[i].sampling for i in live], self.device)
-        rejected = [requests[i].excluded_token for i in live]  # applies to each first new token
+        rejected = [requests[i].excluded_tokens for i in live]  # applies to each first new token
         while True:
             started = time.perf_counter()
             drafts = self._drafts(rows, results, indices, left, rejected)
@@ -142,7 +142,7 @@ class Decoder:
                 )
                 sampling = sampling.select(keep)
                 attention = drop_padding(cache, attention)
-            rejected = [None] * len(rows)
+            rejected = [()] * len(rows)
             if width and _sparse(attention):
                 attention = cache.compact(attention)
 
@@ -170,7 +170,7 @@ class Decoder:
             [len(requests[i].prompt_ids) + len(requests[i].prefix_ids) for i in found],
             device=self.device,
         )
-        rejected = [requests[i].excluded_token for i in found]
+        rejected = [requests[i].excluded_tokens for i in found]
         tokens = sample_from_logprobs(
             residual_logprobs(logprobs, rejected), seeded_uniform(seeds, positions)
         )
@@ -188,7 +188,7 @@ class Decoder:
                     r,
                     max_new_tokens=r.max_new_tokens - 1,
                     prefix_ids=[*r.prefix_ids, token],
-                    excluded_token=None,
+                    excluded_tokens=(),
                 )
         return requests
 
@@ -198,7 +198,7 @@ class Decoder:
         results: list[GenResult],
         indices: list[int],
         left: torch.Tensor,
-        rejected: list[int | None],
+        rejected: list[tuple[int, ...]],
     ) -> list[list[int]]:
         """Draft tokens per batch row, cut after an end-of-sequence token and to the width the
         controller chooses; none for a row whose first token is drawn from a residual."""
@@ -211,7 +211,7 @@ class Decoder:
         drafts, cap = [], drafter.max_tokens  # no forward verifies more than K
         for row, room, reject in zip(rows.tolist(), left.tolist(), rejected, strict=True):
             draft = []
-            if reject is None and room > 1:
+            if not reject and room > 1:
                 most = min(room - 1, cap)
                 draft = drafter.propose(indices[row], results[row].token_ids, most)
                 stop = next((j for j, t in enumerate(draft) if t in self.eos_token_ids), None)
@@ -225,18 +225,18 @@ class Decoder:
         logits: torch.Tensor,
         sampling: RowSampling,
         uniforms: torch.Tensor,
-        rejected: list[int | None],
+        rejected: list[tuple[int, ...]],
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The token at every fed column's next position and its behaviour logprob, both [B, K+1].
         Column j's token is sampled with the counter-based uniform of its position (`uniforms`
-        [B, K+1]), so it is the token decoding without drafts would sample there. An excluded
-        token (`excluded_token` of the request) is removed from the first column's distribution;
-        its logprob stays the full one."""
+        [B, K+1]), so it is the token decoding without drafts would sample there. The request's
+        `excluded_tokens` are removed from the first column's distribution; its logprob stays
+        the full one."""
         batch, columns, vocab = logits.shape
         logprobs = sampling_logprobs(logits.reshape(-1, vocab), sampling.repeat(columns))
         logprobs = logprobs.view(batch, columns, vocab)
         draw_from = logprobs
-        if any(r is not None for r in rejected):
+        if any(rejected):
             draw_from = logprobs.clone()
             draw_from[:, 0] = residual_logprobs(logprobs[:, 0], rejected)
         sampled = sample_from_logprobs(draw_from.reshape(-1, vocab), uniforms.reshape(-1))

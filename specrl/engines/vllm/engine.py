@@ -12,11 +12,15 @@ vllm.
 - prefix caching is vLLM's own (automatic prefix caching): decoding from prompt + draft[:k]
   reuses the KV that verifying prompt + draft computed, without a handle (the engine does not
   declare `prefix_reuse`). It is reset after every weight sync.
-- capabilities: residual sampling (`allowed_token_ids`) and sleep; draft decoding when built
-  with `draft_tokens` > 0: vLLM's speculative decoding with specrl's proposer (proposer.py),
-  whose point-mass drafts vLLM's rejection sampler verifies with the exact rule. Built with
-  `draft_method="suffix"` instead, vLLM drafts with its own suffix decoding (arctic-inference)
-  in every `generate` (`own_drafts`), and specrl only counts those drafts.
+- tries (`score_tries`): each root-to-leaf path of a prompt's history trie is one
+  prompt-logprobs request; the scores are not coupled with vLLM's sampler (see `TrieScores`).
+- capabilities: residual sampling (`allowed_token_ids` where nothing is truncated; under top-k /
+  top-p the residual is drawn here from vLLM's processed distribution), trie scoring and
+  sleep; draft decoding when built with `draft_tokens` > 0: vLLM's speculative decoding with
+  specrl's proposer (proposer.py), whose point-mass drafts vLLM's rejection sampler verifies
+  with the exact rule. Built with `draft_method="suffix"` instead, vLLM drafts with its own
+  suffix decoding (arctic-inference) in every `generate` (`own_drafts`), and specrl only
+  counts those drafts.
 - requests are driven through vLLM's `LLMEngine` (add_request / step), so every request's id
   is the engine's own and a finished request reaches the drafter while the rest decode.
 - weights: through vLLM's RL weight-update API (`LLM.init_weight_transfer_engine`,
@@ -34,6 +38,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, ClassVar, Literal
 
+import numpy as np
 import torch
 
 from specrl.engines.protocol import (
@@ -44,9 +49,17 @@ from specrl.engines.protocol import (
     LogprobRequest,
     Prefixes,
     SamplingParams,
+    TrieRequest,
+    TrieScores,
     distinct_requests,
 )
-from specrl.engines.sampling import RowSampling, sampling_logprobs
+from specrl.engines.sampling import (
+    RowSampling,
+    residual_logprobs,
+    sample_from_logprobs,
+    sampling_logprobs,
+    seeded_uniform,
+)
 from specrl.engines.vllm import cpu_kernels
 from specrl.engines.vllm.proposer import (
     DraftCounts,
@@ -57,6 +70,8 @@ from specrl.engines.vllm.proposer import (
     count_suffix_drafts,
 )
 from specrl.errors import UserError
+
+RESIDUAL_STREAM = 0x5E51D0A1  # seeds of the residual draws made here, apart from the walk's
 
 
 def _import_vllm():
@@ -170,6 +185,7 @@ class VLLMEngine:
             residual_sampling=True,
             sleep=True,
             own_drafts=suffix,
+            trie_scoring=True,
         )
         self.proposer: Proposer | None = (
             self.llm.collective_rpc(attach)[0] if specrl_drafts else None
@@ -199,11 +215,7 @@ class VLLMEngine:
 
     def _generate(self, requests: Sequence[GenRequest], drafter: Drafter | None) -> list[GenResult]:
         results = [GenResult([], [], "length") for _ in requests]
-        first = [
-            i
-            for i, r in enumerate(requests)
-            if r.excluded_token is not None and r.max_new_tokens > 0
-        ]
+        first = [i for i, r in enumerate(requests) if r.excluded_tokens and r.max_new_tokens > 0]
         if first:
             self._residual_first_tokens(requests, first, results)
         todo = [
@@ -251,38 +263,72 @@ class VLLMEngine:
     def _residual_first_tokens(
         self, requests: Sequence[GenRequest], rows: list[int], results: list[GenResult]
     ) -> None:
-        """The first token of a request with `excluded_token` d is drawn with d disallowed (the
-        residual of the exact rule); its reported logprob is under the full distribution, read
-        back with `logprobs` (the prefix cache makes that prefill nearly free)."""
-        contexts = [list(requests[i].prompt_ids) + list(requests[i].prefix_ids) for i in rows]
-        params = []
-        for i in rows:
-            allowed = [t for t in range(self.vocab_size) if t != requests[i].excluded_token]
-            params.append(
-                self._params(requests[i].sampling, 1, requests[i].seed, allowed_token_ids=allowed)
-            )
-        tokens = [out.outputs[0].token_ids[0] for out in self._run(contexts, params)]
-        full = self.logprobs(
-            [
-                LogprobRequest(c, [t], requests[i].sampling)
-                for c, t, i in zip(contexts, tokens, rows, strict=True)
+        """The first token of a request with `excluded_tokens` is drawn from the residual without
+        them; its reported logprob is under the full distribution.
+
+        vLLM applies `allowed_token_ids` before temperature, top-k and top-p. Where nothing is
+        truncated, masking commutes with temperature and vLLM draws the residual itself (the
+        full logprob is read back with `logprobs`; the prefix cache makes that prefill nearly
+        free). Under top-k / top-p, masking first would let tokens outside the policy's top-k
+        or nucleus in: vLLM reports the whole processed distribution after the context instead,
+        and the residual is drawn here, with a seeded uniform of its own stream (the uniform of
+        the request's position may already have decided that this token is drawn from a
+        residual: a trie walk that left, and must not decide which token too)."""
+        contexts = {i: [*requests[i].prompt_ids, *requests[i].prefix_ids] for i in rows}
+        truncated = [i for i in rows if _truncates(requests[i].sampling)]
+        masked = [i for i in rows if not _truncates(requests[i].sampling)]
+        drawn: dict[int, tuple[int, float]] = {}  # row → (token, its full logprob)
+        if truncated:
+            params = [
+                self._params(requests[i].sampling, 1, requests[i].seed, -1) for i in truncated
             ]
-        )
-        for i, t, lp in zip(rows, tokens, full, strict=True):
+            after = torch.full((len(truncated), self.vocab_size), float("-inf"))
+            for row, out in enumerate(self._run([contexts[i] for i in truncated], params)):
+                full = out.outputs[0].logprobs[0]  # every token: the processed distribution
+                after[row, list(full)] = torch.tensor([v.logprob for v in full.values()])
+            uniforms = seeded_uniform(
+                torch.tensor([requests[i].seed for i in truncated]) ^ RESIDUAL_STREAM,
+                torch.tensor([len(contexts[i]) for i in truncated]),
+            )
+            excluded = [requests[i].excluded_tokens for i in truncated]
+            tokens = sample_from_logprobs(residual_logprobs(after, excluded), uniforms)
+            for row, (i, t) in enumerate(zip(truncated, tokens.tolist(), strict=True)):
+                drawn[i] = (t, float(after[row, t]))
+        if masked:
+            params = []
+            for i in masked:
+                r = requests[i]
+                allowed = sorted(set(range(self.vocab_size)) - set(r.excluded_tokens))
+                params.append(self._params(r.sampling, 1, r.seed, allowed_token_ids=allowed))
+            outputs = self._run([contexts[i] for i in masked], params)
+            tokens = [out.outputs[0].token_ids[0] for out in outputs]
+            full = self.logprobs(
+                [
+                    LogprobRequest(contexts[i], [t], requests[i].sampling)
+                    for i, t in zip(masked, tokens, strict=True)
+                ]
+            )
+            drawn.update(
+                (i, (t, float(lp[0]))) for i, t, lp in zip(masked, tokens, full, strict=True)
+            )
+        for i, (t, logprob) in drawn.items():
             results[i].token_ids.append(int(t))
-            results[i].logprobs.append(float(lp[0]))
+            results[i].logprobs.append(logprob)
             results[i].forwards += 1
             if t in self.eos_token_ids:
                 results[i].finish_reason = "stop"
 
-    def _params(self, sampling: SamplingParams, max_tokens: int, seed: int, **extra: Any):
+    def _params(
+        self, sampling: SamplingParams, max_tokens: int, seed: int, logprobs: int = 0, **extra: Any
+    ):
+        """vLLM's sampling params; `logprobs` -1: the sampled positions' whole distributions."""
         return self._vllm.SamplingParams(
             temperature=sampling.temperature,
             top_p=sampling.top_p,
             top_k=sampling.top_k if sampling.top_k > 0 else -1,
             max_tokens=max_tokens,
             seed=seed % (2**63),
-            logprobs=0,
+            logprobs=logprobs,
             stop_token_ids=sorted(self.eos_token_ids),
             detokenize=False,
             **extra,
@@ -368,6 +414,34 @@ class VLLMEngine:
             scored.append(logprobs.gather(1, torch.tensor(r.target_ids)[:, None]).squeeze(1))
         return scored
 
+    # ---------------------------------------------------------------- tries
+    def score_tries(
+        self, requests: Sequence[TrieRequest], prefixes: Prefixes | None = None
+    ) -> list[TrieScores]:
+        """vLLM has no tree attention: each trie is scored as its root-to-leaf paths, one
+        prompt-logprobs request each (`logprobs`), and every node's logprob after its parent is
+        read off a path through it. vLLM's sampler is its own, so the scores are not coupled:
+        the children of each node get intervals laid end to end (see `TrieScores`), and a slot
+        that leaves the trie decodes from the residual without the children."""
+        _no_prefixes(prefixes)
+        paths = [_paths(r.parents) for r in requests]
+        scored = iter(
+            self.logprobs(
+                [
+                    LogprobRequest(r.prompt_ids, [r.tokens[v - 1] for v in path], r.sampling)
+                    for r, trie in zip(requests, paths, strict=True)
+                    for path in trie
+                ]
+            )
+        )
+        out = []
+        for r, trie in zip(requests, paths, strict=True):
+            logprobs = np.zeros(len(r.tokens) + 1)
+            for path in trie:
+                logprobs[path] = next(scored).double().numpy()
+            out.append(_sibling_intervals(logprobs, r.parents))
+        return out
+
     # ---------------------------------------------------------------- weights
     def load_weights(self, state: Mapping[str, torch.Tensor]) -> None:
         """New weights through vLLM's weight-update API; the prefix cache (KV of the old weights)
@@ -398,6 +472,35 @@ def _no_prefixes(prefixes: Prefixes | None) -> None:
 
 def _untransformed(sampling: SamplingParams) -> bool:
     return sampling.temperature == 1.0 and sampling.top_p == 1.0 and sampling.top_k == 0
+
+
+def _truncates(sampling: SamplingParams) -> bool:
+    return not sampling.greedy and (sampling.top_k > 0 or sampling.top_p < 1.0)
+
+
+def _paths(parents: Sequence[int]) -> list[list[int]]:
+    """The root-to-leaf paths of a trie (node i, 1..N, under `parents[i - 1]`), as node lists."""
+    nodes = len(parents)
+    inner = set(parents)
+    paths = []
+    for leaf in (v for v in range(1, nodes + 1) if v not in inner):
+        path = [leaf]
+        while parents[path[-1] - 1] != 0:
+            path.append(parents[path[-1] - 1])
+        paths.append(path[::-1])
+    return paths
+
+
+def _sibling_intervals(logprobs: np.ndarray, parents: Sequence[int]) -> TrieScores:
+    """Uncoupled scores: under each node its children's intervals lie end to end from 0, child
+    c's as long as p(c), and every total is 1."""
+    probs = np.exp(logprobs)
+    low, high = np.zeros(len(probs)), np.zeros(len(probs))
+    filled = np.zeros(len(probs))  # the mass laid out under each node so far
+    for child, parent in enumerate(parents, start=1):
+        low[child] = filled[parent]
+        high[child] = filled[parent] = low[child] + probs[child]
+    return TrieScores(logprobs, low, high, np.ones(len(probs)), coupled=False)
 
 
 def _sampled_logprobs(token_ids: Sequence[int], logprobs: Sequence[dict] | None) -> list[float]:
