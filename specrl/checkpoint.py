@@ -21,8 +21,10 @@ from typing import Any, Protocol
 
 import numpy as np
 import torch
+import yaml
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+from specrl.config import flatten
 from specrl.errors import UserError, first_line
 
 STATE_FILE = "trainer_state.pt"
@@ -92,6 +94,45 @@ def resolve_resume(resume_mode: str, run_dir: Path) -> Path | None:
             "use auto, disable or a checkpoints/global_step_N path"
         )
     return path
+
+
+# What a resumed run cannot change: the prompts and order its loader's saved position points
+# into, the weights it continues from, and which parts its checkpoint holds (a critic or not)
+FIXED_ON_RESUME = (
+    "model.path", "data.task", "data.train_files", "data.train_size", "data.train_batch_size",
+    "data.shuffle", "trainer.seed", "algorithm.adv_estimator",
+)  # fmt: skip
+# what extending or moving a run changes as a matter of course: not reported
+FREE_ON_RESUME = ("trainer.total_training_steps", "trainer.total_epochs", "trainer.resume_mode")
+
+
+def check_resumed_config(run_dir: Path, config: dict[str, Any], step: int, log) -> None:
+    """Compare a resumed run's config (`model_dump(mode="json")`) with the one the run was
+    started with (RUN_DIR/config.yaml): refuse the changes of FIXED_ON_RESUME in one line, print
+    the others, and keep the old config as config.step{step}.yaml beside the new one."""
+    path = run_dir / "config.yaml"
+    if not path.is_file():
+        return
+    old = dict(flatten(yaml.safe_load(path.read_text()) or {}))
+    new = dict(flatten(config))
+    changed = [
+        key
+        for key in sorted(old.keys() | new.keys())
+        if old.get(key) != new.get(key) and key not in FREE_ON_RESUME
+    ]
+    fixed = [key for key in changed if key in FIXED_ON_RESUME]
+    if fixed:
+        shown = ", ".join(f"{key}: {old.get(key)!r} → {new.get(key)!r}" for key in fixed)
+        raise CheckpointError(
+            f"resuming {run_dir} at step {step} with {shown}: a resumed run cannot change "
+            "that; restore it, use another trainer.output_dir, or set "
+            "trainer.resume_mode=disable to start over"
+        )
+    if changed:
+        kept = run_dir / f"config.step{step}.yaml"
+        shutil.copyfile(path, kept)
+        shown = ", ".join(f"{key}: {old.get(key)!r} → {new.get(key)!r}" for key in changed)
+        log(f"resuming with a changed config ({shown}); the old one is kept as {kept}")
 
 
 def load_trainer_state(path: Path) -> dict[str, Any]:

@@ -12,6 +12,7 @@ from specrl.errors import UserError
 from specrl.plots import plot_metrics
 from specrl.run_dir import read_metrics_jsonl
 from specrl.speculative.stats import RolloutStats
+from specrl.tracking import make_console
 
 REPORT_PANELS = [
     ("critic/score/mean", "reward (critic/score/mean)"),
@@ -60,7 +61,7 @@ def report(run_dir: Path, console: Console | None = None) -> Path:
     table.add_column("value", justify="right")
     for name, value in rows.items():
         table.add_row(name, str(value))
-    (console or Console()).print(table)
+    (console or make_console()).print(table)
     return out
 
 

@@ -11,6 +11,7 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 
+import torch
 from rich.console import Console
 from rich.progress import (
     BarColumn,
@@ -36,6 +37,24 @@ LIVE_METRICS = {
 }
 
 
+def quiet_libraries() -> None:
+    """specrl's progress and messages are the ones that matter: transformers' per-load progress
+    bars and notices are noise in a run's log (every Ray worker would print its own)."""
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    hf_logging.set_verbosity_error()
+
+
+def make_console(stderr: bool = False) -> Console:
+    """A rich console on stdout (or stderr). Off a terminal (a pipe, a log file) nothing is
+    wrapped: a line of metrics, a path or a table row stays one line however long."""
+    console = Console(stderr=stderr)
+    if console.is_terminal:
+        return console
+    return Console(stderr=stderr, soft_wrap=True, width=4096)
+
+
 class Tracker:
     def __init__(
         self,
@@ -45,7 +64,7 @@ class Tracker:
         project: str = "specrl",
         experiment: str = "run",
     ) -> None:
-        self.console = console or Console(stderr=True)
+        self.console = console or make_console(stderr=True)
         self.loggers = set(loggers)
         self.use_console = "console" in loggers
         self.run_dir = run_dir
@@ -54,6 +73,7 @@ class Tracker:
         self.history: list[dict[str, float]] = []
         self._tensorboard = None
         self._wandb = None
+        self._contention_hinted = False
 
     def start(self, keep_through_step: int | None = None, config: dict | None = None) -> None:
         """Open every logger once everything the run needs has loaded. metrics.jsonl starts
@@ -96,6 +116,7 @@ class Tracker:
 
     def log(self, metrics: dict[str, float]) -> None:
         self.history.append(metrics)
+        self._check_contention()
         if self.jsonl is not None:
             with self.jsonl.open("a") as handle:
                 handle.write(json.dumps(metrics) + "\n")
@@ -109,6 +130,20 @@ class Tracker:
             self.print(
                 f"step {int(metrics['training/global_step'])}: val/acc/mean@1 = {metrics['val/acc/mean@1']:.3f}"
             )
+
+    def _check_contention(self) -> None:
+        """Once per run, a hint when the machine is busier than this process can make it: torch's
+        threads then wait on each other (on 2 cores a step took 20-30x longer with 2 threads
+        beside another busy process than with 1)."""
+        threads, cores = torch.get_num_threads(), os.cpu_count() or 1
+        if self._contention_hinted or threads == 1 or os.getloadavg()[0] <= cores + 1:
+            return
+        self._contention_hinted = True
+        self.warn(
+            f"the machine is busy (load average {os.getloadavg()[0]:.1f} on {cores} cores) and "
+            f"torch runs {threads} threads here, which then wait on each other: "
+            "trainer.num_threads=1 can make each step several times faster"
+        )
 
     def last(self, key: str) -> float | None:
         return next((m[key] for m in reversed(self.history) if key in m), None)

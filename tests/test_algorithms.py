@@ -21,7 +21,7 @@ from specrl.algorithms.losses import (
     value_loss,
 )
 from specrl.algorithms.rollout_correction import rollout_is_weights
-from specrl.config import AlgorithmConfig, PolicyLossConfig
+from specrl.config import GROUP_BASELINES, AlgorithmConfig, PolicyLossConfig
 
 
 def test_grpo_normalises_by_unbiased_group_std():
@@ -48,6 +48,20 @@ def test_the_config_offers_exactly_the_registered_estimators_and_losses():
     offered = AlgorithmConfig.model_fields["adv_estimator"].annotation.__args__
     assert set(offered) == set(ADV_ESTIMATORS)
     assert set(PolicyLossConfig.model_fields["loss_mode"].annotation.__args__) == set(POLICY_LOSSES)
+
+
+def test_exactly_the_group_baselines_learn_nothing_from_groups_of_one():
+    """What `rollout.n=1` is refused for (`GROUP_BASELINES`): with one rollout per prompt
+    their advantages are all 0 (or they refuse), the other estimators' are not."""
+    scores = torch.tensor([[1.0], [0.0], [0.5]])  # three prompts, one rollout each
+    mask = torch.ones(3, 4)
+    inputs = AdvantageInputs(scores, mask, values=torch.full((3, 4), 0.2))
+    for name in ADV_ESTIMATORS:
+        try:
+            advantages = compute_advantages(name, inputs)[0]
+        except ValueError:
+            advantages = torch.zeros(())
+        assert (advantages.abs().max().item() < 1e-6) == (name in GROUP_BASELINES), name
 
 
 RAGGED = torch.tensor([[1, 1, 1], [1, 1, 0]])  # two responses of 3 and 2 tokens
@@ -152,6 +166,34 @@ def test_kl_estimators():
     assert kl_penalty(logp, ref, "k2").item() == pytest.approx(0.5)
     assert kl_penalty(logp, ref, "low_var_kl").item() == pytest.approx(math.exp(-1) + 1 - 1)
     assert kl_penalty(logp, logp, "low_var_kl").item() == 0.0
+
+
+def test_kl_estimators_clamp_only_where_verl_does():
+    """verl 0.9.1 (`kl_penalty_forward`): k1 and k2 are not clamped, so 30 nats of drift keep
+    their full value and gradient; k3 clamps log r to ±20 and the estimate to [-10, 10]."""
+    logp = torch.tensor([-1.0], requires_grad=True)
+    ref = torch.tensor([-31.0])
+    assert kl_penalty(logp, ref, "k1").item() == pytest.approx(30.0)
+    k2 = kl_penalty(logp, ref, "k2")
+    assert k2.item() == pytest.approx(450.0)
+    k2.sum().backward()
+    assert logp.grad.item() == pytest.approx(30.0)  # d/dlogp ½(logp - ref)²
+    assert kl_penalty(logp, ref, "low_var_kl").item() == pytest.approx(10.0)  # e^-20 + 20 - 1
+    assert kl_penalty(ref, logp, "low_var_kl").item() == pytest.approx(10.0)  # clamped above
+
+
+def test_gspo_averages_unclamped_token_log_ratios_and_clamps_the_sequence_one():
+    """verl's GSPO: the sequence log-ratio is the mean of the raw token log-ratios (one token
+    at +30 nats counts in full), and only the sequence ratio is clamped (log ≤ 10)."""
+    old = torch.zeros(1, 3)
+    new = torch.tensor([[30.0, -27.0, 0.0]], requires_grad=True)  # mean 1.0 over 3 tokens
+    adv = torch.tensor([[-1.0, -1.0, -1.0]])
+    mask = torch.ones(1, 3)
+    out = gspo_loss(new, old, adv, mask, ClipConfig(0.2, 0.2, loss_mode="gspo"))
+    assert out.loss.item() == pytest.approx(math.e)  # A < 0: -A · max(s, clip(s)) with s = e
+    far = torch.tensor([[40.0, 40.0, 40.0]])
+    out = gspo_loss(far, old, adv, mask, ClipConfig(0.2, 0.2, loss_mode="gspo"))
+    assert out.loss.item() == pytest.approx(math.exp(10.0))
 
 
 def test_entropy():

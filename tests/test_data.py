@@ -5,7 +5,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from specrl.config import DataConfig
-from specrl.data import DataError, PromptLoader, encode_prompt, load_prompts
+from specrl.data import DataError, PromptLoader, _tokenize, encode_prompt, load_prompts
 from specrl.data.files import read_examples
 from specrl.toy_policy import build_tokenizer
 from specrl.types import Example, Prompt
@@ -147,8 +147,27 @@ def test_prompts_without_a_known_token_are_rejected_or_filtered_and_lossy_ones_r
     )
     assert [p.example.prompt for p in train] == ["12+30=", "Answer with \\boxed{}. What is 3+4?"]
     assert "dropped 2 of 4 train prompts with no token the tokenizer knows" in said[0]
-    assert "1 of 2 train prompts hold characters the tokenizer does not know" in said[1]
-    assert "→ '3+4'" in said[1]
+    assert "1 of 2 train prompts lose characters to the tokenizer" in said[1]
+    assert "→ '3+4'" in said[1] and "builtin:smollm2-135m-instruct" in said[1]
+    assert len([line for line in said if "train prompts lose characters" in line]) == 1  # once
+
+
+def test_characters_a_tokenizer_drops_without_an_unknown_token_are_reported():
+    """A tokenizer without an unknown token, which maps what it does not know to padding:
+    the letters of "Ann has 13 cards" vanish, and the warning names them."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {c: i for i, c in enumerate(["<pad>", "<eos>", *"0123456789 "])}
+    core = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
+    core.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    core.decoder = decoders.Fuse()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=core, pad_token="<pad>", eos_token="<eos>")
+    said = []
+    example = Example("Ann has 13 cards", "13", "words")
+    _tokenize([example], tokenizer, DataConfig(), "train", said.append)
+    assert len(said) == 1 and "1 of 1 train prompts lose characters" in said[0]
+    assert "('Aacdhnrs'; first: 'Ann has 13 cards' → " in said[0]
 
 
 def test_loader_peek_is_the_next_batch_across_epochs():

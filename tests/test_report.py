@@ -96,3 +96,47 @@ def test_off_a_terminal_progress_is_plain_lines_and_the_summary_names_the_run(
     assert "s left) score=" in progress[0]
     assert not any("━" in line for line in progress)  # no bar drawn into the log
     assert f"run directory: {tmp_path} (curves and a summary: specrl report {tmp_path})" in lines
+
+
+def test_off_a_terminal_long_lines_and_table_rows_are_not_wrapped(capsys):
+    """Piped output (as in a log file): a long progress line and a wide table row each stay on
+    one line, where rich would wrap them at 80 columns."""
+    from rich.table import Table
+
+    from specrl.tracking import make_console
+
+    console = make_console()  # stdout is captured: not a terminal
+    line = "train 12/128 (32 s, ~308 s left) " + " ".join(f"metric_{i}=0.{i}" for i in range(20))
+    console.print(line, highlight=False)
+    table = Table()
+    table.add_column("metric")
+    table.add_column("value")
+    table.add_row("runs/" + "quickstart-" * 12, "0.5")
+    console.print(table)
+    out = capsys.readouterr().out.splitlines()
+    assert out[0] == line
+    assert any(("runs/" + "quickstart-" * 12) in row for row in out)
+
+
+def test_a_busy_machine_gets_one_hint_about_threads(tmp_path, monkeypatch):
+    import io
+    import os
+
+    import torch
+    from rich.console import Console
+
+    from specrl.tracking import Tracker
+
+    out = io.StringIO()
+    tracker = Tracker(["jsonl"], tmp_path, console=Console(file=out, width=300))
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
+    monkeypatch.setattr(os, "cpu_count", lambda: 2)
+    monkeypatch.setattr(os, "getloadavg", lambda: (1.5, 1.0, 1.0))  # this run's own load
+    tracker.log({"training/global_step": 1})
+    assert out.getvalue() == ""
+    monkeypatch.setattr(os, "getloadavg", lambda: (6.2, 4.0, 2.0))
+    for step in (2, 3):
+        tracker.log({"training/global_step": step})
+    lines = out.getvalue().strip().splitlines()
+    assert len(lines) == 1 and "load average 6.2 on 2 cores" in lines[0]
+    assert "trainer.num_threads=1" in lines[0]

@@ -96,6 +96,21 @@ def test_resume_disable_starts_over_and_max_ckpt_to_keep_prunes(tiny_policy_dir,
     assert again.global_step == 0 and again.resume_from is None
 
 
+def test_resuming_with_a_changed_config_names_the_changes_and_refuses_what_breaks_it(
+    tiny_policy_dir, tmp_path, capsys
+):
+    Trainer(small_config(tiny_policy_dir, tmp_path, "trainer.total_training_steps=1")).fit()
+    capsys.readouterr()
+    with pytest.raises(CheckpointError, match=r"data\.train_size: 16 → 32: a resumed run cannot"):
+        Trainer(small_config(tiny_policy_dir, tmp_path, "data.train_size=32"))
+    resumed = Trainer(small_config(tiny_policy_dir, tmp_path, "rollout.n=2"))
+    assert resumed.global_step == 1
+    err = " ".join(capsys.readouterr().err.split())
+    assert "resuming with a changed config (rollout.n: 4 → 2)" in err
+    kept = tmp_path / "config.step1.yaml"
+    assert "n: 4" in kept.read_text() and f"kept as {kept}" in err
+
+
 def test_corrupt_or_missing_checkpoint_gives_one_clear_error(tiny_policy_dir, tmp_path, capsys):
     Trainer(small_config(tiny_policy_dir, tmp_path, "trainer.total_training_steps=1")).fit()
     state = tmp_path / "checkpoints" / "global_step_1" / "trainer_state.pt"

@@ -111,7 +111,9 @@ def test_ppo_update_moves_the_policy_toward_higher_advantage(tiny_policy_dir, tm
         "trainer.save_freq=0", "trainer.test_freq=0", "actor.optim.lr=3e-3", "actor.optim.lr_warmup_steps=0",
     )  # fmt: skip
     Trainer(cfg).fit()
-    steps = read_metrics(tmp_path / "run")[1:]
+    records = read_metrics(tmp_path / "run")
+    assert not [k for m in records[1:] for k in m if k.startswith("val")]  # test_freq=0: never
+    steps = records[1:]
     scores = [m["critic/score/mean"] for m in steps]
     assert scores[-1] > scores[0]
     assert [m["reward/compute_score/mean"] for m in steps] == pytest.approx(scores)
@@ -174,3 +176,27 @@ def test_speculative_training_reuses_drafts_from_the_second_epoch(tiny_policy_di
         tmp_path / "checkpoints" / "global_step_4" / "trainer_state.pt", weights_only=False
     )
     assert len(state["stage"]["store"]["prompt_ids"]) == 8 * 4  # every (prompt id, slot) is saved
+
+
+def test_data_reward_and_environment_are_checked_before_any_model_loads(tmp_path, capsys):
+    """With a model path that cannot load, a bad data line, a missing reward function or a
+    missing environment is still what the one-line error names: they are checked first."""
+    from specrl.cli import main
+
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"prompt": "1+1=", "answer": "2"}\nnot json\n')
+    good = tmp_path / "good.jsonl"
+    good.write_text('{"prompt": "1+1=", "answer": "2"}\n')
+    base = ["model.path=/nonexistent/model", f"trainer.output_dir={tmp_path / 'run'}",
+            "data.answer_key=answer", "trainer.logger=[jsonl]"]  # fmt: skip
+    cases = [
+        ([f"data.train_files={bad}", f"data.val_files={good}"], f"{bad} line 2 is not valid JSON"),
+        ([f"data.train_files={good}", f"data.val_files={good}",
+          f"custom_reward_function.path={tmp_path / 'none.py'}"], "none.py"),
+        ([f"data.train_files={good}", f"data.val_files={good}",
+          f"env.path={tmp_path / 'no_env.py'}"], "no_env.py"),
+    ]  # fmt: skip
+    for overrides, named in cases:
+        assert main(["train", *base, *overrides]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and named in err[0] and "/nonexistent/model" not in err[0], err

@@ -16,7 +16,11 @@ import torch
 
 LossAggMode = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
 KLType = Literal["k1", "k2", "low_var_kl"]
-MAX_LOG_RATIO = 20.0  # log-ratios are clamped to ±20 before exp (as verl): finite losses and grads
+# As verl: the PPO ratio's log and k3's log r are clamped to ±20 before exp (finite losses and
+# grads). k1 and k2 are not clamped (their gradient keeps pulling back the tokens that drifted
+# most), nor are GSPO's token log-ratios before their sequence mean (the sequence one is, at 10).
+MAX_LOG_RATIO = 20.0
+MAX_SEQ_LOG_RATIO = 10.0
 
 
 @dataclass(frozen=True)
@@ -157,11 +161,11 @@ def gspo_loss(
     sequences (seq-mean-token-mean, whatever cfg.loss_agg_mode says). In token form, as verl:
     log s_i,t = sg[log s_i] + log π_t − sg[log π_t], whose gradient is that of the paper's
     sequence objective. `weights` multiply each token's loss."""
-    log_ratio = (logprobs - old_logprobs).clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)
+    log_ratio = logprobs - old_logprobs
     lengths = mask.sum(-1).clamp(min=1)
     seq_log_ratio = torch.where(mask.bool(), log_ratio, 0.0).sum(-1) / lengths  # [B]
     token_log_ratio = logprobs - logprobs.detach() + seq_log_ratio.detach()[:, None]
-    ratio = token_log_ratio.clamp(max=10.0).exp()
+    ratio = token_log_ratio.clamp(max=MAX_SEQ_LOG_RATIO).exp()
     unclipped = -advantages * ratio
     clipped = -advantages * ratio.clamp(1.0 - cfg.clip_ratio_low, 1.0 + cfg.clip_ratio_high)
     token_loss = torch.maximum(unclipped, clipped)
@@ -207,13 +211,13 @@ def value_loss(
 def kl_penalty(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, kind: KLType) -> torch.Tensor:
     """Per-token estimate of KL(π‖π_ref) from samples of π (Schulman, "Approximating KL
     divergence"): k1 = log r⁻¹, k2 = ½ (log r)², low_var_kl = k3 = r - log r - 1 with r = π_ref/π,
-    clamped to [-10, 10] as in verl."""
-    log_ratio = (logprobs - ref_logprobs).clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)
+    its log r clamped to ±20 and the estimate to [-10, 10], as in verl."""
+    log_ratio = logprobs - ref_logprobs
     if kind == "k1":
         return log_ratio
     if kind == "k2":
         return 0.5 * log_ratio.square()
-    ref_log_ratio = -log_ratio
+    ref_log_ratio = (-log_ratio).clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)
     return (ref_log_ratio.exp() - ref_log_ratio - 1).clamp(-10.0, 10.0)
 
 

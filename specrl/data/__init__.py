@@ -4,6 +4,7 @@ and the seeded loader that walks them epoch by epoch."""
 from __future__ import annotations
 
 import random
+from collections import Counter
 from collections.abc import Sequence
 from typing import Any
 
@@ -14,13 +15,27 @@ from specrl.data import arithmetic
 from specrl.data.files import DataError, read_examples
 from specrl.types import Example, Prompt
 
-__all__ = ["DataError", "PromptLoader", "encode_prompt", "load_prompts", "prompt_text"]
+__all__ = [
+    "DataError",
+    "PromptLoader",
+    "encode_prompt",
+    "load_prompts",
+    "prompt_text",
+    "read_splits",
+    "tokenize_splits",
+]
 
 
 def load_prompts(
     cfg: DataConfig, tokenizer: PreTrainedTokenizerBase, seed: int, log=print
 ) -> tuple[list[Prompt], list[Prompt]]:
     """→ (train, val) prompts. Without files, the built-in task split for `seed`."""
+    return tokenize_splits(read_splits(cfg, seed), tokenizer, cfg, log)
+
+
+def read_splits(cfg: DataConfig, seed: int) -> tuple[list[Example], list[Example]]:
+    """→ (train, val) examples, read and checked without a tokenizer (a bad file stops a run
+    before any model loads). Without files, the built-in task split for `seed`."""
     if cfg.train_files is None:
         task = arithmetic.TASKS[cfg.task]
         train_problems, val_problems = arithmetic.make_split(
@@ -35,8 +50,18 @@ def load_prompts(
         val_examples = read_examples(
             cfg.val_files, cfg.prompt_key, cfg.answer_key, "data.val_files"
         )
-    train = _tokenize(train_examples, tokenizer, cfg, "train", log)
-    return train, _tokenize(val_examples, tokenizer, cfg, "val", log)
+    return train_examples, val_examples
+
+
+def tokenize_splits(
+    splits: tuple[list[Example], list[Example]],
+    tokenizer: PreTrainedTokenizerBase,
+    cfg: DataConfig,
+    log=print,
+) -> tuple[list[Prompt], list[Prompt]]:
+    """(train, val) examples → prompts, checked against `data.max_prompt_length`."""
+    train = _tokenize(splits[0], tokenizer, cfg, "train", log)
+    return train, _tokenize(splits[1], tokenizer, cfg, "val", log)
 
 
 def prompt_text(example: Example, tokenizer: PreTrainedTokenizerBase) -> str:
@@ -85,13 +110,19 @@ def _tokenize(
             "with no token the tokenizer knows"
         )
         prompts = known
-    lossy = [p for p in prompts if unknown is not None and unknown in p.ids]
+    lost = {p: _lost_characters(p, tokenizer) for p in prompts}
+    lossy = [p for p in prompts if lost[p]]
     if lossy:
         text = prompt_text(lossy[0].example, tokenizer)
+        seen = tokenizer.decode(lossy[0].ids, skip_special_tokens=True)
+        characters = sorted(set().union(*(lost[p] for p in lossy)))
         log(
-            f"warning: {len(lossy)} of {len(prompts)} {split} prompts hold characters the "
-            f"tokenizer does not know, which the model sees as {tokenizer.unk_token!r} (first: "
-            f"{text!r} → {tokenizer.decode(lossy[0].ids, skip_special_tokens=True)!r})"
+            f"warning: {len(lossy)} of {len(prompts)} {split} prompts lose characters to the "
+            f"tokenizer ({''.join(characters[:20])!r}{'...' if len(characters) > 20 else ''}; "
+            f"first: {text!r} → {seen!r}): the model never sees them. The built-in policies "
+            "know only their task's characters: train on your data with a model that knows "
+            "them (model.path=<a Hugging Face model directory> or "
+            "builtin:smollm2-135m-instruct)"
         )
     kept = [p for p in prompts if len(p.ids) <= cfg.max_prompt_length]
     too_long = len(prompts) - len(kept)
@@ -111,6 +142,16 @@ def _tokenize(
             f"no {split} prompt fits in data.max_prompt_length={cfg.max_prompt_length} tokens"
         )
     return kept
+
+
+def _lost_characters(prompt: Prompt, tokenizer: PreTrainedTokenizerBase) -> set[str]:
+    """The characters of the prompt's text that its tokens do not give back (whitespace and
+    special tokens aside): unknown characters, and characters a tokenizer drops silently."""
+    text = prompt_text(prompt.example, tokenizer)
+    back = tokenizer.decode(prompt.ids, skip_special_tokens=False)
+    for special in tokenizer.all_special_tokens:
+        text, back = text.replace(special, ""), back.replace(special, "")
+    return {c for c in Counter(text) - Counter(back) if not c.isspace()}
 
 
 class PromptLoader:

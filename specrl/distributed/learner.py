@@ -31,6 +31,7 @@ from specrl.actor.update import Actor, ActorStats, UpdateShares
 from specrl.config import Config
 from specrl.distributed.rollout import import_ray, require_cpus, start_ray
 from specrl.errors import UserError
+from specrl.tracking import quiet_libraries
 
 
 class LearnerGroupError(UserError):
@@ -40,6 +41,7 @@ class LearnerGroupError(UserError):
 class LearnerRank:
     def __init__(self, cfg: Config, model_dir: Path, initial_dir: Path, index: int, world: int):
         torch.set_num_threads(cfg.actor.num_cpus_per_worker)
+        quiet_libraries()
         self.cfg = cfg
         self.model_dir, self.initial_dir = model_dir, initial_dir
         self.rank = Rank(index, world)

@@ -80,6 +80,8 @@ def start_ray(cfg: RayInitConfig) -> None:
         return
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+    # workers' lines in the run's log without colour codes around their prefix
+    os.environ.setdefault("RAY_COLOR_PREFIX", "0")
     ray.init(
         num_cpus=cfg.num_cpus,
         include_dashboard=False,

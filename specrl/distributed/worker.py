@@ -22,6 +22,7 @@ from specrl.engines import GenRequest, GenResult, SamplingParams
 from specrl.engines.build import build_worker_engine
 from specrl.speculative.stage import SpeculativeStage
 from specrl.speculative.stats import RolloutStats
+from specrl.tracking import quiet_libraries
 from specrl.types import Prompt, Rollout
 
 
@@ -46,6 +47,7 @@ class RolloutWorker:
         weight_transfer: str = "local",
     ) -> None:
         torch.set_num_threads(cfg.rollout.num_cpus_per_worker)
+        quiet_libraries()
         spec = cfg.rollout.spec
         # the trees' node budget is the run's: each of the workers holds a share of the prompts
         tree = spec.tree.model_copy(update={"max_nodes": -(-spec.tree.max_nodes // num_workers)})
