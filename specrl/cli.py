@@ -1,4 +1,5 @@
-"""`specrl train | toy-policy`: argument parsing and clear one-line errors."""
+"""`specrl train | bench | config | report | toy-policy | model | data`: argument parsing and
+clear one-line errors."""
 
 from __future__ import annotations
 
@@ -9,9 +10,49 @@ import typing
 from specrl.config import DataConfig, describe_config, load_config, sections_help
 from specrl.errors import UserError
 from specrl.run_dir import RunInterrupted
+from specrl.tracking import quiet_libraries
 
 
 def main(argv: list[str] | None = None) -> int:
+    args = parse_command(argv)
+    quiet_libraries()
+    try:
+        if args.command == "train":
+            if args.print_config:
+                return _print_config(args.config, args.overrides)
+            return _train(args.config, args.overrides)
+        if args.command == "config":
+            return _print_config(args.config, args.overrides)
+        if args.command == "bench":
+            return _bench(args.config, args.out, args.arms, args.seeds, args.overrides)
+        if args.command == "report":
+            return _report(args.run_dir)
+        if args.command == "model":
+            return _model(args.name, args.force)
+        if args.command == "data":
+            return _data(args)
+        return _toy_policy(args.force, args.task)
+    except RunInterrupted as stopped:
+        print(f"specrl: {stopped}", file=sys.stderr)
+        return stopped.exit_code
+    except UserError as err:
+        print(f"specrl: error: {err}", file=sys.stderr)
+        return 2
+
+
+def parse_command(argv: list[str] | None) -> argparse.Namespace:
+    """The command line, parsed; `specrl data`'s key=value options may also follow its flags
+    (argparse alone takes them only before)."""
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    if extra and args.command == "data" and all("=" in e for e in extra):
+        args.options = [*args.options, *extra]
+    elif extra:
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    return args
+
+
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="specrl", description="On-policy RL for language models with speculative rollouts."
     )
@@ -39,7 +80,7 @@ def main(argv: list[str] | None = None) -> int:
     bench.add_argument(
         "--arms",
         help="comma-separated arms: vanilla and any of spec, trie, spec-in-decoding, tree, "
-        "spec+tree, suffix, spec+suffix (default: vanilla,spec,trie; vanilla,spec on vllm)",
+        "spec+tree, suffix, spec+suffix (default: vanilla,spec,trie)",
     )
     bench.add_argument(
         "--seeds",
@@ -78,34 +119,30 @@ def main(argv: list[str] | None = None) -> int:
         choices=typing.get_args(DataConfig.model_fields["task"].annotation),
         help="the built-in task whose warm-start policy to build (data.task; default noisy_facts)",
     )
-    args = parser.parse_args(argv)
-    _quiet_libraries()
-    try:
-        if args.command == "train":
-            if args.print_config:
-                return _print_config(args.config, args.overrides)
-            return _train(args.config, args.overrides)
-        if args.command == "config":
-            return _print_config(args.config, args.overrides)
-        if args.command == "bench":
-            return _bench(args.config, args.out, args.arms, args.seeds, args.overrides)
-        if args.command == "report":
-            return _report(args.run_dir)
-        return _toy_policy(args.force, args.task)
-    except RunInterrupted as stopped:
-        print(f"specrl: {stopped}", file=sys.stderr)
-        return stopped.exit_code
-    except UserError as err:
-        print(f"specrl: error: {err}", file=sys.stderr)
-        return 2
-
-
-def _quiet_libraries() -> None:
-    """Our progress bar is the one that matters; transformers' per-load bars are noise here."""
-    from transformers.utils import logging as hf_logging
-
-    hf_logging.disable_progress_bar()
-    hf_logging.set_verbosity_error()
+    model = commands.add_parser(
+        "model",
+        help="print the directory of a built-in pretrained model (model.path=builtin:NAME), "
+        "converted into the cache from its installed package on first use",
+    )
+    model.add_argument("name", help="smollm2-135m-instruct")
+    model.add_argument("--force", action="store_true", help="convert again")
+    data = commands.add_parser(
+        "data",
+        help="write a reasoning-gym task as verl-schema parquet (train.parquet, val.parquet) "
+        "for data.train_files / data.val_files, scored by the task's own scorer",
+    )
+    data.add_argument("task", help="a reasoning-gym dataset, e.g. chain_sum, basic_arithmetic")
+    data.add_argument("--out", required=True, help="output directory")
+    data.add_argument("--train-size", type=int, default=1024, help="training problems")
+    data.add_argument("--val-size", type=int, default=200, help="held-out problems")
+    data.add_argument("--seed", type=int, default=1, help="generator seed (splits are disjoint)")
+    data.add_argument(
+        "options",
+        nargs="*",
+        metavar="key=value",
+        help="the generator's options, e.g. min_terms=2 max_terms=2 max_digits=1",
+    )
+    return parser
 
 
 def _note(message: str) -> None:
@@ -152,6 +189,25 @@ def _toy_policy(force: bool, task: str) -> int:
     from specrl.toy_policy import ToyPolicySpec, ensure_toy_policy
 
     print(ensure_toy_policy(ToyPolicySpec(task=task), force=force))
+    return 0
+
+
+def _model(name: str, force: bool) -> int:
+    from specrl.models import ensure_model
+
+    print(ensure_model(name, force=force, log=_note))
+    return 0
+
+
+def _data(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from specrl.data.reasoning_gym import write_task
+
+    for path in write_task(
+        args.task, Path(args.out), args.train_size, args.val_size, args.seed, args.options, _note
+    ):
+        print(path)
     return 0
 
 

@@ -13,18 +13,16 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import random
-import shutil
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
-from filelock import FileLock, Timeout
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 
+from specrl.cache import build_once, cache_root
 from specrl.config import MultiTurnConfig
 from specrl.data import arithmetic
 from specrl.engines import GREEDY, GenRequest
@@ -70,10 +68,6 @@ class ShippedPolicyError(UserError):
     """A policy shipped with the package does not match its build.json."""
 
 
-def cache_root() -> Path:
-    return Path(os.environ.get("SPECRL_CACHE", Path.home() / ".cache" / "specrl"))
-
-
 def toy_policy_path(spec: ToyPolicySpec = ToyPolicySpec()) -> Path:
     return cache_root() / f"toy-policy-{spec.key()}"
 
@@ -108,37 +102,14 @@ def ensure_toy_policy(
             )
         return shipped
     path = toy_policy_path(spec)
-    if (path / "build.json").is_file() and not force:
-        return path
-    path.parent.mkdir(parents=True, exist_ok=True)
-    lock = FileLock(path.with_name(path.name + ".lock"))
-    try:
-        lock.acquire(blocking=False)
-    except Timeout:
-        log(f"waiting for another process's build of {path}")
-        lock.acquire()
-    try:
-        if (path / "build.json").is_file() and not force:
-            log(f"the other process built it: using {path}")
-        else:
-            _build_into(path, spec, log)
-    finally:
-        lock.release()
+    build_once(path, "build.json", lambda staging: _build(staging, path, spec, log), force, log)
     return path
 
 
-def _build_into(path: Path, spec: ToyPolicySpec, log) -> None:
+def _build(staging: Path, path: Path, spec: ToyPolicySpec, log) -> None:
     minutes = 18 if spec.task in arithmetic.MULTI_TURN_TASKS else 6  # measured on 2 cores
     log(f"building the tiny policy into {path} (cached; about {minutes} minutes on 2 cores)")
-    staging = path.with_name(path.name + f".tmp{os.getpid()}")
-    shutil.rmtree(staging, ignore_errors=True)
     report = build_toy_policy(staging, spec, log)
-    # readable by every user of a shared cache (safetensors writes its file 0600)
-    staging.chmod(0o755)
-    for file in staging.iterdir():
-        file.chmod(0o644)
-    shutil.rmtree(path, ignore_errors=True)
-    staging.rename(path)
     log(
         f"built: held-out greedy accuracy {report['val_acc']:.1%}, mean response length "
         f"{report['mean_response_length']:.1f} tokens"

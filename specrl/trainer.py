@@ -1,4 +1,4 @@
-"""The training loop, top to bottom as in DESIGN.md: rollout → rewards → advantages → update →
+"""The training loop, top to bottom as in docs/design.md: rollout → rewards → advantages → update →
 sync → log. Everything speculative happens inside the rollout stage; the policy and its update
 live in actor/."""
 
@@ -18,9 +18,15 @@ from specrl.actor.update import Actor
 from specrl.algorithms.advantages import AdvantageInputs, compute_advantages
 from specrl.algorithms.dapo import groups_with_signal
 from specrl.algorithms.rollout_correction import correction_weights
-from specrl.checkpoint import load_trainer_state, resolve_resume, restore, save_checkpoint
+from specrl.checkpoint import (
+    check_resumed_config,
+    load_trainer_state,
+    resolve_resume,
+    restore,
+    save_checkpoint,
+)
 from specrl.config import Config, save_config
-from specrl.data import PromptLoader, load_prompts
+from specrl.data import PromptLoader, read_splits, tokenize_splits
 from specrl.distributed.learner import LearnerGroup
 from specrl.distributed.rollout import RolloutWorkers
 from specrl.engines import SamplingParams
@@ -30,6 +36,7 @@ from specrl.episodes.runner import EpisodeLoop, EpisodeStage
 from specrl.errors import UserError
 from specrl.evaluation import evaluate
 from specrl.metrics import data_metrics, logprob_mismatch, timed
+from specrl.models import resolve_model_path
 from specrl.rewards import RewardFunctionError, Scores, load_reward_functions, score_rollouts
 from specrl.run_dir import RunInterrupted, StopSignals, open_run_dir
 from specrl.speculative.stage import SpeculativeStage
@@ -66,7 +73,24 @@ class Trainer:
         self.lock = open_run_dir(self.run_dir, starting_over, log)
         self.resume_from = resolve_resume(cfg.trainer.resume_mode, self.run_dir)
         state = load_trainer_state(self.resume_from) if self.resume_from else None
-        initial = cfg.model.path or ensure_toy_policy(ToyPolicySpec(task=cfg.data.task), log=log)
+        if state is not None:  # before any model is loaded
+            config = cfg.model_dump(mode="json")
+            check_resumed_config(self.run_dir, config, state["global_step"], self.tracker.warn)
+        # what needs no model first: a bad file, function or environment stops before any load
+        splits = read_splits(cfg.data, cfg.trainer.seed)
+        self.reward_fn = load_reward_functions(
+            cfg.custom_reward_function, cfg.reward_model.timeout_s
+        )
+        env = (
+            load_environment(cfg.env.path, cfg.env.name, cfg.env.timeout_s)
+            if cfg.episodes
+            else None
+        )
+        initial = (
+            resolve_model_path(cfg.model.path, log)
+            if cfg.model.path
+            else ensure_toy_policy(ToyPolicySpec(task=cfg.data.task), log=log)
+        )
         self.model_dir = model_dir = self.resume_from or initial
         self.actor: Actor | LearnerGroup
         if cfg.learner_ranks > 1:  # the update on a torch.distributed group of Ray actors
@@ -81,12 +105,9 @@ class Trainer:
             self.critic = self.actor.critic if grouped else load_critic(cfg, initial)
         policy = self.actor.policy
         eos_ids = eos_token_ids(policy, self.tokenizer)
-        train, self.val_prompts = load_prompts(cfg.data, self.tokenizer, cfg.trainer.seed, log)
+        train, self.val_prompts = tokenize_splits(splits, self.tokenizer, cfg.data, log)
         self.loader = PromptLoader(
             train, cfg.data.train_batch_size, cfg.data.shuffle, cfg.trainer.seed
-        )
-        self.reward_fn = load_reward_functions(
-            cfg.custom_reward_function, cfg.reward_model.timeout_s
         )
         sampling = SamplingParams(cfg.rollout.temperature, cfg.rollout.top_p, cfg.rollout.top_k)
         pad_id = self.tokenizer.pad_token_id
@@ -100,9 +121,9 @@ class Trainer:
             self.stage = SpeculativeStage(
                 self.engine, sampling, cfg.data.max_response_length, cfg.rollout.spec
             )
-        if cfg.episodes:  # each rollout an episode, its turns rolled out by the stage
+        if env is not None:  # each rollout an episode, its turns rolled out by the stage
             self.episodes = EpisodeLoop(
-                load_environment(cfg.env.path, cfg.env.name, cfg.env.timeout_s),
+                env,
                 self.tokenizer,
                 cfg.rollout.multi_turn.max_turns,
                 cfg.data.max_response_length,
@@ -162,7 +183,7 @@ class Trainer:
                     self.global_step += 1
                     metrics = self.train_step()
                     self._check_finite(metrics)
-                    if self._due(self.cfg.trainer.test_freq):
+                    if self.cfg.trainer.test_freq > 0 and self._due(self.cfg.trainer.test_freq):
                         metrics.update(self.validate())
                     if self._due(self.cfg.trainer.save_freq) or stop.received:
                         path = self.save()

