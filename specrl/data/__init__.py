@@ -110,12 +110,12 @@ def _tokenize(
             "with no token the tokenizer knows"
         )
         prompts = known
-    lost = {p: _lost_characters(p, tokenizer) for p in prompts}
-    lossy = [p for p in prompts if lost[p]]
+    lost = [(p, _lost_characters(p, tokenizer)) for p in prompts]
+    lossy = [(p, characters) for p, characters in lost if characters]
     if lossy:
-        text = prompt_text(lossy[0].example, tokenizer)
-        seen = tokenizer.decode(lossy[0].ids, skip_special_tokens=True)
-        characters = sorted(set().union(*(lost[p] for p in lossy)))
+        text = prompt_text(lossy[0][0].example, tokenizer)
+        seen = tokenizer.decode(lossy[0][0].ids, skip_special_tokens=True)
+        characters = sorted(set().union(*(c for _, c in lossy)))
         log(
             f"warning: {len(lossy)} of {len(prompts)} {split} prompts lose characters to the "
             f"tokenizer ({''.join(characters[:20])!r}{'...' if len(characters) > 20 else ''}; "

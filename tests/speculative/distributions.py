@@ -43,8 +43,11 @@ def sample_pvalue(probs, samples):
     for sample in samples:
         counts[sample] += 1
     common = [seq for seq, p in probs.items() if p * n >= 5]
-    observed = [counts[s] for s in common] + [n - sum(counts[s] for s in common)]
-    expected = [probs[s] * n for s in common] + [n - sum(probs[s] * n for s in common)]
+    observed = [counts[s] for s in common]
+    expected = [probs[s] * n for s in common]
+    if len(common) < len(probs):  # the rare outcomes' bin
+        observed.append(n - sum(observed))
+        expected.append(n - sum(expected))
     return chisquare(observed, expected, sum_check=False).pvalue
 
 
