@@ -33,6 +33,7 @@ import transformers
 from specrl.config import Config, ConfigError, validated
 from specrl.errors import UserError
 from specrl.plots import plot_metrics
+from specrl.run_dir import heldout_metric
 from specrl.speculative.stats import RolloutStats
 from specrl.trainer import Trainer
 
@@ -58,7 +59,6 @@ DEFAULT_ARMS = ("vanilla", "spec", "trie")
 BENCH_PANELS = [
     ("timing_s/rollout", "rollout time per step (s)"),
     ("critic/score/mean", "reward (critic/score/mean)"),
-    ("val/acc/mean@1", "held-out accuracy (val/acc/mean@1)"),
     ("spec/reused_token_ratio", "reused token ratio"),
 ]
 TREE_PANEL = ("spec/tree/mean_accepted_per_forward", "tokens per sequence per decode forward")
@@ -120,7 +120,9 @@ def run_bench(
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "bench.json").write_text(json.dumps(result, indent=2))
     title = f"specrl bench: {', '.join(arms)} ({cfg.rollout.spec.acceptance} rule)"
-    plot_metrics(plotted, [*BENCH_PANELS, TREE_PANEL], out_dir / "bench.png", title)
+    heldout = heldout_metric([m for h in plotted.values() for m in h])
+    panels = [*BENCH_PANELS[:2], heldout, *BENCH_PANELS[2:], TREE_PANEL]
+    plot_metrics(plotted, panels, out_dir / "bench.png", title)
     return result
 
 
@@ -178,10 +180,12 @@ def summarize(
     """The SPEC-RL comparison (spec against vanilla) at the top level when the spec arm ran, and
     every arm's speed and accuracy under `arms`. `runs` holds each arm's history per seed: times
     and token counts are totals over all seeds (summed `RolloutStats`), final accuracies the
-    mean over seeds (each seed's under `arms.<arm>.final_acc_per_seed`)."""
+    mean over seeds (each seed's under `arms.<arm>.final_acc_per_seed`) of the held-out figure
+    named by `heldout_metric`: accuracy where the reward states it, else the reward."""
     steps = {arm: [m for h in hs for m in _train_steps(h)] for arm, hs in runs.items()}
     totals = {arm: RolloutStats.of_steps(s) for arm, s in steps.items()}
-    final = {arm: [_last(h, "val/acc/mean@1") for h in hs] for arm, hs in runs.items()}
+    heldout, _ = heldout_metric([m for hs in runs.values() for h in hs for m in h])
+    final = {arm: [_last(h, heldout) for h in hs] for arm, hs in runs.items()}
     step_time = {arm: _total(s, "timing_s/step") for arm, s in steps.items()}
     result: dict[str, Any] = {}
     if "spec" in steps:
@@ -204,7 +208,7 @@ def summarize(
             "step_speedup": step_time["vanilla"] / step_time[arm],
             "final_acc": _mean(final[arm]),
             "final_acc_per_seed": final[arm],
-            "second_half_acc": _mean([_second_half(h, "val/acc/mean@1") for h in runs[arm]]),
+            "second_half_acc": _mean([_second_half(h, heldout) for h in runs[arm]]),
             "decoded_tokens": total.decoded_tokens,
             "decoded_token_ratio": total.decoded_tokens / max(vanilla.decoded_tokens, 1),
             "reused_token_ratio": a,
@@ -228,6 +232,7 @@ def summarize(
         summary.update(_episodes(steps[arm]))
         result["arms"][arm] = summary
     result.update(
+        heldout_metric=heldout,
         steps=len(steps["vanilla"]) // len(seeds),
         seeds=list(seeds),
         acceptance=cfg.rollout.spec.acceptance,

@@ -356,8 +356,9 @@ class FilterGroupsConfig(Section):
     enable: bool = Field(False, description="DAPO dynamic sampling: drop groups with equal scores")
     metric: Literal["acc", "score"] = Field(
         "acc",
-        description="what must differ within a group: acc, the reward function's score; score, "
-        "after the overlong penalty (DAPO filters on acc)",
+        description="what must differ within a group: acc, the accuracy the reward states (its "
+        "score where it states none); score, the score trained on, after the overlong penalty "
+        "(DAPO filters on acc)",
     )
     max_num_gen_batches: int = Field(
         4, ge=1, description="most rollout batches per step while refilling dropped groups"

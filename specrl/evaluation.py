@@ -1,5 +1,6 @@
-"""Held-out evaluation: greedy accuracy of the current policy (`val/acc/mean@1`, as verl); in
-multi-turn runs, of greedy episodes (`val/num_turns/mean` too)."""
+"""Held-out evaluation: the reward of the current policy's greedy responses
+(`val/reward/mean@1`) and, where the reward states what is correct, their accuracy
+(`val/acc/mean@1`), as verl; in multi-turn runs, of greedy episodes (`val/num_turns/mean` too)."""
 
 from __future__ import annotations
 
@@ -44,11 +45,13 @@ def evaluate(
         turns += stats.turns
     scores = score_rollouts(reward_fn, tokenizer, rollouts)
     metrics = {
-        "val/acc/mean@1": float(np.mean(scores.acc)),
+        "val/reward/mean@1": float(np.mean(scores.reward)),
         "val/response_length/mean": float(np.mean([len(r.token_ids) for r in rollouts])),
         "val/reward_errors": scores.errors,
         "timing_s/testing": time.perf_counter() - start,
     }
+    if scores.stated_acc is not None:
+        metrics["val/acc/mean@1"] = float(np.mean(scores.stated_acc))
     if episodes is not None:
         metrics["val/num_turns/mean"] = turns / len(rollouts)
     return metrics

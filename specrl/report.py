@@ -10,13 +10,12 @@ from rich.table import Table
 
 from specrl.errors import UserError
 from specrl.plots import plot_metrics
-from specrl.run_dir import read_metrics_jsonl
+from specrl.run_dir import heldout_metric, read_metrics_jsonl
 from specrl.speculative.stats import RolloutStats
 from specrl.tracking import make_console
 
 REPORT_PANELS = [
     ("critic/score/mean", "reward (critic/score/mean)"),
-    ("val/acc/mean@1", "held-out accuracy (val/acc/mean@1)"),
     ("response_length/mean", "response length (tokens)"),
     ("spec/reused_token_ratio", "reused token ratio"),
     ("timing_s/rollout", "rollout time per step (s)"),
@@ -36,14 +35,14 @@ def read_history(run_dir: Path) -> list[dict[str, float]]:
 def report(run_dir: Path, console: Console | None = None) -> Path:
     history = read_history(run_dir)
     out = run_dir / "report.png"
-    plot_metrics({run_dir.name: history}, REPORT_PANELS, out, title=f"specrl run {run_dir}")
+    heldout, label = heldout_metric(history)
+    panels = [REPORT_PANELS[0], (heldout, label), *REPORT_PANELS[1:]]
+    plot_metrics({run_dir.name: history}, panels, out, title=f"specrl run {run_dir}")
     steps = [m for m in history if m["training/global_step"] > 0]
-    vals = [m["val/acc/mean@1"] for m in history if "val/acc/mean@1" in m]
+    vals = [m[heldout] for m in history if heldout in m]
     rows = {
         "steps": len(steps),
-        "val/acc/mean@1 first → last": f"{vals[0]:.3f} → {vals[-1]:.3f}"
-        if vals
-        else "not evaluated",
+        f"{heldout} first → last": f"{vals[0]:.3f} → {vals[-1]:.3f}" if vals else "not evaluated",
         "critic/score/mean, last step": _fmt(steps[-1].get("critic/score/mean") if steps else None),
         "response_length/mean, last step": _fmt(
             steps[-1].get("response_length/mean") if steps else None

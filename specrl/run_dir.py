@@ -11,7 +11,8 @@ mixed between runs.
   moves that run's checkpoints and metrics into RUN_DIR/previous-N/ and says so: a later `auto`
   resume cannot pick them up, and nothing is lost.
 - `read_metrics_jsonl`: metrics.jsonl as records; an unparsable last line (what a crash in the
-  middle of a write leaves) is dropped with a warning.
+  middle of a write leaves) is dropped with a warning. `heldout_metric`: the held-out figure a
+  run's records hold (accuracy where the reward states one, else the reward).
 - `StopSignals`: SIGINT / SIGTERM during a run are noted, not raised, so the loop can finish the
   step, save a checkpoint and stop cleanly (`RunInterrupted`); a second signal stops at once.
 """
@@ -124,6 +125,14 @@ def read_metrics_jsonl(path: Path, warn: Callable[[str], None]) -> list[dict[str
                 ) from None
             warn(f"{path}: dropped the unparsable last line {number} (a run killed mid-write)")
     return records
+
+
+def heldout_metric(history: list[dict[str, float]]) -> tuple[str, str]:
+    """→ (key, label) of the held-out figure of a run: its accuracy (`val/acc/mean@1`) where the
+    reward states one, else its reward (`val/reward/mean@1`)."""
+    if any("val/acc/mean@1" in m for m in history):
+        return "val/acc/mean@1", "held-out accuracy (val/acc/mean@1)"
+    return "val/reward/mean@1", "held-out reward (val/reward/mean@1)"
 
 
 class RunInterrupted(Exception):

@@ -24,12 +24,13 @@ from rich.progress import (
 from rich.table import Table
 
 from specrl.errors import UserError
-from specrl.run_dir import read_metrics_jsonl
+from specrl.run_dir import heldout_metric, read_metrics_jsonl
 from specrl.speculative.stats import RolloutStats
 
-LIVE_METRICS = {
+LIVE_METRICS = {  # val_reward only where the reward states no accuracy
     "critic/score/mean": "score",
     "val/acc/mean@1": "val_acc",
+    "val/reward/mean@1": "val_reward",
     "response_length/mean": "len",
     "spec/reused_token_ratio": "reused",
     "timing_s/rollout": "rollout_s",
@@ -126,10 +127,9 @@ class Tracker:
                 self._tensorboard.add_scalar(key, value, step)
         if self._wandb is not None:
             self._wandb.log(metrics, step=step)
-        if "val/acc/mean@1" in metrics:
-            self.print(
-                f"step {int(metrics['training/global_step'])}: val/acc/mean@1 = {metrics['val/acc/mean@1']:.3f}"
-            )
+        if "val/reward/mean@1" in metrics:
+            key, _ = heldout_metric([metrics])
+            self.print(f"step {int(metrics['training/global_step'])}: {key} = {metrics[key]:.3f}")
 
     def _check_contention(self) -> None:
         """Once per run, a hint when the machine is busier than this process can make it: torch's
@@ -183,6 +183,8 @@ class Tracker:
 
     def _live(self) -> str:
         live = {short: self.last(key) for key, short in LIVE_METRICS.items()}
+        if live["val_acc"] is not None:
+            del live["val_reward"]
         return " ".join(f"{k}={v:.3g}" for k, v in live.items() if v is not None)
 
     def summary(self, run_dir: Path) -> dict[str, float]:
@@ -190,12 +192,13 @@ class Tracker:
         and how to look at it: → them."""
         history = self.history
         spec = RolloutStats.of_steps(history)
+        heldout, _ = heldout_metric(history)
         summary = {
             "steps": self.last("training/global_step"),
-            "val/acc/mean@1 before": history[0].get("val/acc/mean@1")
+            f"{heldout} before": history[0].get(heldout)
             if history and history[0]["training/global_step"] == 0
             else None,
-            "val/acc/mean@1 after": self.last("val/acc/mean@1"),
+            f"{heldout} after": self.last(heldout),
             "critic/score/mean (last step)": self.last("critic/score/mean"),
             "response_length/mean (last step)": self.last("response_length/mean"),
             "spec/reused_token_ratio (whole run)": spec.ratios()["spec/reused_token_ratio"]

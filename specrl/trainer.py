@@ -278,7 +278,7 @@ class Trainer:
         n, want = cfg.rollout.n, cfg.data.train_batch_size
         filtering = cfg.algorithm.filter_groups
         kept: list[Rollout] = []
-        kept_scores = Scores([], [], [])
+        kept_scores = Scores([], [], [], [])
         stats = None  # RolloutStats, or EpisodeStats in multi-turn runs: they add up
         for gen_batch in range(filtering.max_num_gen_batches if filtering.enable else 1):
             seed_key = (cfg.trainer.seed, self.global_step, gen_batch)
@@ -288,7 +288,9 @@ class Trainer:
             stats = batch_stats if stats is None else stats + batch_stats
             with timed(metrics, "reward"):
                 scores = self.score(rollouts)
-            signal = scores.acc if filtering.metric == "acc" else scores.scores
+            signal = scores.scores
+            if filtering.metric == "acc":
+                signal = scores.stated_acc or scores.reward
             keep = groups_with_signal(torch.tensor(signal).view(-1, n))  # [G]
             if not filtering.enable:
                 keep = torch.ones_like(keep)

@@ -41,10 +41,13 @@ def test_the_built_in_reward_is_the_tasks_scorer_on_the_extracted_answer(chain_s
         row["reward_model"]["ground_truth"],
         row["extra_info"],
     )
-    assert builtin_compute_score(source, f"<answer>{truth}</answer>", truth, extra) == 1.0
-    assert builtin_compute_score(source, f"so it is {truth}.", truth, extra) == 1.0
-    assert builtin_compute_score(source, f"<answer>{int(truth) + 1}</answer>", truth, extra) == 0.0
-    assert builtin_compute_score(source, "no idea", truth, extra) == 0.0
+    right, wrong = {"score": 1.0, "acc": 1.0}, {"score": 0.0, "acc": 0.0}
+    assert builtin_compute_score(source, f"<answer>{truth}</answer>", truth, extra) == right
+    assert builtin_compute_score(source, f"so it is {truth}.", truth, extra) == right
+    assert (
+        builtin_compute_score(source, f"<answer>{int(truth) + 1}</answer>", truth, extra) == wrong
+    )
+    assert builtin_compute_score(source, "no idea", truth, extra) == wrong
     assert extract_answer("a\n<answer> 7 </answer> then <answer>8</answer>", "8") == "8"
     assert extract_answer("first line\nlast line ", "cat") == "last line"
 

@@ -4,24 +4,31 @@ import time
 
 import pytest
 
+from specrl.config import CustomRewardConfig
+from specrl.engines.hf.engine import HFEngine
+from specrl.evaluation import evaluate
 from specrl.rewards import (
     RewardFunctionError,
     builtin_compute_score,
     call_with_timeout,
     load_reward_function,
+    load_reward_functions,
 )
-from specrl.types import Example
+from specrl.toy_policy import build_tokenizer
+from specrl.types import Example, Prompt
+from tests.conftest import make_tiny_model
 
 EXAMPLES = [Example("p", "42", "user/math"), Example("q", "7", "user/math")]
 
 
-def test_builtin_dispatches_arithmetic_and_math_verify():
-    assert builtin_compute_score("specrl/arithmetic", "1+2+0=3;#3", "3") == 1.0
+def test_builtin_dispatches_arithmetic_and_math_verify_and_states_accuracy():
+    right, wrong = {"score": 1.0, "acc": 1.0}, {"score": 0.0, "acc": 0.0}
+    assert builtin_compute_score("specrl/arithmetic", "1+2+0=3;#3", "3") == right
     assert (
         builtin_compute_score("openai/gsm8k", "so the answer is \\boxed{\\frac{1}{2}}", "0.5")
-        == 1.0
+        == right
     )
-    assert builtin_compute_score("openai/gsm8k", "so the answer is \\boxed{3}", "0.5") == 0.0
+    assert builtin_compute_score("openai/gsm8k", "so the answer is \\boxed{3}", "0.5") == wrong
 
 
 def test_math_verify_runs_off_the_main_thread():
@@ -31,7 +38,7 @@ def test_math_verify_runs_off_the_main_thread():
     )
     thread.start()
     thread.join()
-    assert result["v"] == 1.0
+    assert result["v"]["score"] == 1.0
 
 
 def test_verl_style_function_from_a_file(tmp_path):
@@ -41,7 +48,8 @@ def test_verl_style_function_from_a_file(tmp_path):
         "    return {'score': float(solution_str.strip() == ground_truth)}\n"
     )
     fn = load_reward_function(str(path), "compute_score", timeout_s=5)
-    assert fn(["42", "8"], EXAMPLES, ["p", "q"]).scores == [1.0, 0.0]
+    out = fn(["42", "8"], EXAMPLES, ["p", "q"])
+    assert out.scores == [1.0, 0.0] and out.acc == [None, None]  # a score, no stated accuracy
 
 
 def test_trl_style_function_gets_completions_and_columns(tmp_path):
@@ -118,9 +126,6 @@ def test_a_reward_function_that_always_fails_stops_the_run_in_one_line(
 
 def test_trl_functions_get_every_column_and_conversational_completions(tmp_path):
     """As TRL calls them: every dataset column by name; chat prompts give message completions."""
-    from specrl.config import CustomRewardConfig
-    from specrl.rewards import load_reward_functions
-
     path = tmp_path / "reward.py"
     path.write_text(
         "def exact(completions, solution, prompts, **kwargs):\n"
@@ -143,3 +148,37 @@ def test_trl_functions_get_every_column_and_conversational_completions(tmp_path)
     assert out.errors == 0, out.first_error
     assert out.components == {"exact": [1.0, 0.0], "polite": [0.5, 1.0]}
     assert out.scores == [2.0 * 1.0 + 0.5, 2.0 * 0.0 + 1.0]
+
+
+def test_accuracy_is_what_a_reward_states_never_a_weighted_score(tmp_path):
+    """A correctness function stating `acc` and a length penalty, weighted: the score is their
+    weighted sum (negative here), the accuracy the correctness function's alone; evaluation
+    logs `val/acc/mean@1` only when the reward states it, `val/reward/mean@1` always."""
+    path = tmp_path / "reward.py"
+    path.write_text(
+        "def correct(data_source, solution_str, ground_truth, extra_info=None):\n"
+        "    right = float(solution_str == ground_truth)\n"
+        "    return {'score': right, 'acc': right}\n"
+        "def length(data_source, solution_str, ground_truth, extra_info=None):\n"
+        "    return -float(len(solution_str))\n"
+    )
+    both = load_reward_functions(
+        [CustomRewardConfig(path=str(path), name="correct", weight=0.1),
+         CustomRewardConfig(path=str(path), name="length", weight=1.0)],
+        timeout_s=5,
+    )  # fmt: skip
+    out = both(["42", "8"], EXAMPLES, ["p", "q"])
+    assert out.scores == pytest.approx([0.1 - 2.0, -1.0]) and out.acc == [1.0, 0.0]
+    alone = load_reward_functions(
+        [CustomRewardConfig(path=str(path), name="length", weight=1.0)], timeout_s=5
+    )
+    assert alone(["42", "8"], EXAMPLES, ["p", "q"]).acc == [None, None]
+
+    tokenizer = build_tokenizer()
+    prompt = Prompt(tuple(tokenizer.encode("1+1=")), Example("1+1=", "2", "t"))
+    engine = HFEngine(make_tiny_model(vocab_size=len(tokenizer)), [tokenizer.eos_token_id], 0)
+    for functions, keys in [(both, {"val/acc/mean@1", "val/reward/mean@1"}),
+                            (alone, {"val/reward/mean@1"})]:  # fmt: skip
+        metrics = evaluate(engine, [prompt] * 2, functions, tokenizer, 2, 4, 0)
+        assert {k for k in metrics if k.startswith(("val/acc", "val/reward/"))} == keys
+        assert metrics["val/reward/mean@1"] <= 0.1 and metrics.get("val/acc/mean@1", 0) >= 0

@@ -2,7 +2,7 @@
 
 A turn that ends with a column's sum left open, `x+y+c=`, calls the calculator: the observation
 is the true sum and the separator, `s;`, and the episode goes on. Any other turn ends the
-episode, scored 1 when the answer after `#` is right.
+episode, scored 1 when the answer after `#` is right (its stated accuracy too).
 """
 
 from __future__ import annotations
@@ -19,8 +19,9 @@ class Calculator:
     def reset(self, row: dict[str, Any]) -> None:
         self.ground_truth = row["ground_truth"]
 
-    def step(self, response: str) -> tuple[str, float, bool]:
+    def step(self, response: str) -> tuple[str, float | dict[str, float], bool]:
         call = CALL.search(response)
         if call is not None:
             return f"{sum(int(d) for d in call.groups())};", 0.0, False
-        return "", arithmetic.compute_score("", response, self.ground_truth), True
+        right = arithmetic.compute_score("", response, self.ground_truth)
+        return "", {"score": right, "acc": right}, True

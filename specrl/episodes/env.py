@@ -10,7 +10,9 @@ are loaded; one instance plays one episode:
         def step(self, response: str) -> tuple[str, float, bool]:
             # response: the text of the turn just sampled (special tokens removed); a second
             # parameter, if step has one, receives its token ids.
-            # → (observation appended before the next turn, reward, done)
+            # → (observation appended before the next turn, reward, done); the reward is a
+            # number or, as verl's reward functions, {"score": ..., "acc": ...} to state the
+            # episode's accuracy (`val/acc/mean@1`)
 
 The observation's tokens are forced into the episode's context with loss mask 0: the policy is
 trained only on what it sampled. Every call runs under `env.timeout_s`; a call that raises, runs
@@ -28,7 +30,7 @@ from typing import Any, Protocol
 
 from specrl.episodes.calculator import Calculator
 from specrl.errors import UserError
-from specrl.rewards import call_with_timeout
+from specrl.rewards import call_with_timeout, stated_acc
 from specrl.types import Example
 from specrl.user_code import load_from_file
 
@@ -40,7 +42,7 @@ class EnvError(UserError):
 class Environment(Protocol):
     def reset(self, row: dict[str, Any]) -> str | None: ...
 
-    def step(self, response: str) -> tuple[str, float, bool]: ...
+    def step(self, response: str) -> tuple[str, float | dict[str, float], bool]: ...
 
 
 @dataclass(frozen=True)
@@ -48,6 +50,7 @@ class StepResult:
     observation: str
     reward: float
     done: bool
+    acc: float | None = None  # the accuracy the step states (a reward {"score", "acc"})
 
 
 @dataclass
@@ -101,9 +104,10 @@ class EnvironmentFactory:
         observation, reward, done = value
         if not isinstance(observation, str):
             return None, f"step returned observation {observation!r}, expected str"
-        if not isinstance(reward, bool | int | float) or not math.isfinite(float(reward)):
+        score = reward.get("score") if isinstance(reward, dict) else reward
+        if not isinstance(score, bool | int | float) or not math.isfinite(float(score)):
             return None, f"step returned reward {reward!r}, not a finite number"
-        return StepResult(observation, float(reward), bool(done)), None
+        return StepResult(observation, float(score), bool(done), stated_acc(reward)), None
 
 
 def load_environment(path: str | None, name: str, timeout_s: float) -> EnvironmentFactory:

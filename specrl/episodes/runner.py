@@ -53,6 +53,7 @@ class _Episode:
     loss_mask: list[int] = field(default_factory=list)
     observations: list[tuple[int, ...]] = field(default_factory=list)  # [t]: before turn t
     reward: float = 0.0
+    acc: float | None = None  # the last accuracy the environment stated
     turns: int = 0
     finish: FinishReason | None = None
 
@@ -93,6 +94,7 @@ class _Episode:
             self.behaviour_logprobs if self.lenient else None,
             self.loss_mask,
             0.0 if self.finish == "env_error" else self.reward,
+            0.0 if self.finish == "env_error" else self.acc,
         )
 
 
@@ -275,6 +277,8 @@ class EpisodeLoop:
             self._failed(episode, error, stats)
             return
         episode.reward += result.reward
+        if result.acc is not None:
+            episode.acc = result.acc
         if result.done:
             episode.finish = "stop"
         elif turn.finish_reason == "length" or episode.budget <= 0:

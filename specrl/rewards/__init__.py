@@ -1,6 +1,7 @@
 """Reward functions: the built-in checkers, and user functions in verl's or TRL's style.
 
-verl:  compute_score(data_source, solution_str, ground_truth, extra_info) -> float | {"score": ...}
+verl:  compute_score(data_source, solution_str, ground_truth, extra_info)
+       -> float | {"score": float, "acc": float | bool (optional), ...}
 TRL:   reward(completions, **columns) -> list[float]
        (columns: every dataset column, and prompts, ground_truth, data_source, extra_info; one
        list entry per completion. With conversational prompts (chat messages) completions are
@@ -9,6 +10,11 @@ TRL:   reward(completions, **columns) -> list[float]
 
 Several functions (`custom_reward_function` as a list, each with a `weight`, as TRL's
 `reward_weights`) score the weighted sum; each one's mean is logged as `reward/<name>/mean`.
+
+The score is what is trained on and logged as a reward; accuracy (`val/acc/mean@1`, DAPO's
+`filter_groups.metric=acc`) is only what a reward states is correct, as in verl: the `acc` of
+a dict it returns (the built-in checkers state it). Where several functions state one, a
+rollout's accuracy is their mean; where none does, there is no accuracy, only the score.
 
 A call that raises, runs past `reward_model.timeout_s`, or returns None / NaN is counted in
 `reward/errors` and scored 0.0, and its first message is kept for the log.
@@ -47,6 +53,7 @@ class RewardFunctionError(UserError):
 @dataclass
 class RewardOutputs:
     scores: list[float]
+    acc: list[float | None] = field(default_factory=list)  # stated accuracy, None: not stated
     errors: int = 0
     first_error: str | None = None
     components: dict[str, list[float]] = field(default_factory=dict)  # per function, unweighted
@@ -74,6 +81,7 @@ class RewardFunction:
             args = (example.data_source, solution, example.ground_truth, example.extra_info)
             value, error = call_with_timeout(self.fn, args, self.timeout_s)
             out.scores.append(_check_score(value, error, out))
+            out.acc.append(stated_acc(value) if error is None else None)
         return out
 
     def _call_batched(
@@ -99,29 +107,41 @@ class RewardFunction:
             error = f"{self.name} returned {type(values).__name__}, expected a list of {len(solutions)} floats"
         if error is not None:
             out.scores = [_check_score(None, error, out) for _ in solutions]
-            return out
-        out.scores = [_check_score(v, None, out) for v in values]
+            values = [None] * len(solutions)
+        else:
+            out.scores = [_check_score(v, None, out) for v in values]
+        out.acc = [stated_acc(v) for v in values]
         return out
 
 
 @dataclass(frozen=True)
 class Scores:
     """The rewards of a batch of rollouts, kept beside them (rollouts are not changed): each
-    response decoded, the reward function's score (`acc`, what DAPO's group filter and
-    evaluation read) and the score trained on (`acc` plus DAPO's overlong penalty when on)."""
+    response decoded, the reward's score (`reward`, what evaluation logs as the reward), the
+    score trained on (`reward` plus DAPO's overlong penalty when on) and the accuracy the
+    reward states (`acc`, None where it states none)."""
 
     texts: list[str]
-    acc: list[float]
+    reward: list[float]
     scores: list[float]
+    acc: list[float | None]
     errors: int = 0
     first_error: str | None = None
     components: dict[str, list[float]] = field(default_factory=dict)  # per reward function
 
+    @property
+    def stated_acc(self) -> list[float] | None:
+        """Every rollout's accuracy, or None unless the reward stated one for each."""
+        if any(a is None for a in self.acc):
+            return None
+        return [float(a) for a in self.acc]
+
     def rows(self, index: Sequence[int]) -> Scores:
         return Scores(
             [self.texts[i] for i in index],
-            [self.acc[i] for i in index],
+            [self.reward[i] for i in index],
             [self.scores[i] for i in index],
+            [self.acc[i] for i in index],
             self.errors,
             self.first_error,
             {name: [values[i] for i in index] for name, values in self.components.items()},
@@ -131,8 +151,9 @@ class Scores:
         names = dict.fromkeys([*self.components, *other.components])
         return Scores(
             self.texts + other.texts,
-            self.acc + other.acc,
+            self.reward + other.reward,
             self.scores + other.scores,
+            self.acc + other.acc,
             self.errors + other.errors,
             self.first_error or other.first_error,
             {n: self.components.get(n, []) + other.components.get(n, []) for n in names},
@@ -153,12 +174,17 @@ class RewardFunctions:
         self, solutions: Sequence[str], examples: Sequence[Example], prompts: Sequence[str]
     ) -> RewardOutputs:
         total = RewardOutputs([0.0] * len(solutions))
+        stated: list[list[float]] = [[] for _ in solutions]  # per rollout, the functions' accs
         for function, weight in self.functions:
             out = function(solutions, examples, prompts)
             total.scores = [t + weight * s for t, s in zip(total.scores, out.scores, strict=True)]
+            for accs, a in zip(stated, out.acc, strict=True):
+                if a is not None:
+                    accs.append(a)
             total.errors += out.errors
             total.first_error = total.first_error or out.first_error
             total.components[function.short_name] = out.scores
+        total.acc = [sum(a) / len(a) if a else None for a in stated]
         return total
 
 
@@ -189,7 +215,7 @@ def score_rollouts(
     penalty to the scores trained on."""
     texts = [tokenizer.decode(r.token_ids, skip_special_tokens=True) for r in rollouts]
     if all(r.reward is not None for r in rollouts):
-        out = RewardOutputs([r.reward for r in rollouts])
+        out = RewardOutputs([r.reward for r in rollouts], [r.acc for r in rollouts])
     else:
         out = reward_fn(
             texts,
@@ -203,18 +229,21 @@ def score_rollouts(
             lengths, max_response_length, overlong.len, overlong.penalty_factor
         )
         scores = (torch.tensor(scores) + penalty).tolist()
-    return Scores(texts, out.scores, scores, out.errors, out.first_error, out.components)
+    return Scores(texts, out.scores, scores, out.acc, out.errors, out.first_error, out.components)
 
 
 def builtin_compute_score(
     data_source: str, solution_str: str, ground_truth: str, extra_info: dict | None = None
-) -> float:
+) -> dict[str, float]:
     """The built-in task's checker for its data source, a reasoning-gym task's own scorer for
-    its data source; math-verify for everything else."""
+    its data source; math-verify for everything else. The score is the checker's (reasoning-gym
+    gives partial credit to some wrong answers); accuracy is 1 only for a full score."""
     if data_source.startswith(reasoning_gym.DATA_SOURCE):
-        return reasoning_gym.compute_score(data_source, solution_str, ground_truth, extra_info)
-    scorer = BUILTIN_SCORERS.get(data_source, math_answer.compute_score)
-    return scorer(data_source, solution_str, ground_truth, extra_info)
+        scorer = reasoning_gym.compute_score
+    else:
+        scorer = BUILTIN_SCORERS.get(data_source, math_answer.compute_score)
+    score = scorer(data_source, solution_str, ground_truth, extra_info)
+    return {"score": score, "acc": float(score >= 1.0)}
 
 
 def load_reward_function(path: str | None, name: str, timeout_s: float) -> RewardFunction:
@@ -258,6 +287,14 @@ def call_with_timeout(
         return box.get(timeout=timeout_s)
     except queue.Empty:
         return None, f"timed out after {timeout_s:g}s"
+
+
+def stated_acc(value: Any) -> float | None:
+    """The accuracy a reward's value states: its dict's finite `acc`, else None."""
+    acc = value.get("acc") if isinstance(value, dict) else None
+    if isinstance(acc, bool | int | float) and math.isfinite(float(acc)):
+        return float(acc)
+    return None
 
 
 def _check_score(value: Any, error: str | None, out: RewardOutputs) -> float:

@@ -317,7 +317,7 @@ def test_a_failing_environment_ends_its_episodes_with_env_error(env, message):
     episodes = EpisodeLoop(factory, TOKENIZER, 4, 16, max_error_ratio=1.0, warn=warnings.append)
     turn = sampled_turns(engine(), SAMPLING, ("s",), 0)
     rollouts, stats = episodes.run(prompts("12+3="), 4, turn, 0)
-    assert all(r.finish_reason == "env_error" and r.reward == 0.0 for r in rollouts)
+    assert all(r.finish_reason == "env_error" and r.reward == r.acc == 0.0 for r in rollouts)
     assert stats.env_errors == 4 and message in stats.first_error
     assert len(warnings) == 1 and message in warnings[0]
     strict = EpisodeLoop(factory, TOKENIZER, 4, 16, max_error_ratio=0.5)
@@ -355,3 +355,24 @@ def test_step_receives_the_turns_token_ids_when_it_asks_for_them():
     for (response, ids), r in zip(seen, rollouts, strict=True):
         assert ids == r.token_ids and response == TOKENIZER.decode(ids, skip_special_tokens=True)
         assert r.reward == 1.0
+
+
+def test_an_environment_states_accuracy_as_verl_rewards_do():
+    """A step's reward may be {"score", "acc"}: the episode's score sums the scores, its
+    accuracy is the last one stated; a plain number states none."""
+
+    class Stated(Replies):
+        def step(self, response):
+            observation, reward, done = super().step(response)
+            if not done:
+                return observation, reward, done
+            return observation, {"score": reward - 1.0, "acc": float(reward > 0)}, done
+
+    plain, stated = play(Replies)[0], play(Stated)[0]  # the same episodes, differently scored
+    assert any(r.finish_reason == "stop" for r in plain)
+    for r, s in zip(plain, stated, strict=True):
+        assert s.token_ids == r.token_ids and r.acc is None
+        if r.finish_reason == "stop":
+            assert (s.reward, s.acc) == (r.reward - 1.0, float(r.reward > 0))
+        else:
+            assert (s.reward, s.acc) == (r.reward, None)
