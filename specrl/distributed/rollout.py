@@ -16,6 +16,7 @@ returned. A worker past its restarts is retired and its prompts move to the othe
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -69,6 +70,16 @@ def require_cpus(ray, cfg: Config) -> None:
         )
 
 
+RAY_AUTH_LOGGER = "ray._private.authentication.authentication_token_setup"
+
+
+def token_auth_enabled_notice(record: logging.LogRecord) -> bool:
+    """False for Ray's notice that a new local cluster has token authentication on (it is, and
+    the cluster is bound to loopback): a run on workers reads like a run in one process. Its
+    warning that authentication is *off* still prints."""
+    return not record.getMessage().startswith("Token authentication is enabled")
+
+
 def start_ray(cfg: RayInitConfig) -> None:
     """Join `cfg.address`, or start a local Ray bound to loopback without dashboard or usage
     stats; a Ray already initialised in this process is used as it is."""
@@ -82,6 +93,7 @@ def start_ray(cfg: RayInitConfig) -> None:
     os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
     # workers' lines in the run's log without colour codes around their prefix
     os.environ.setdefault("RAY_COLOR_PREFIX", "0")
+    logging.getLogger(RAY_AUTH_LOGGER).addFilter(token_auth_enabled_notice)
     ray.init(
         num_cpus=cfg.num_cpus,
         include_dashboard=False,

@@ -3,6 +3,8 @@ rollouts as in-process, faults that lose nothing, resume with any number of work
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 import torch
 
@@ -10,7 +12,12 @@ pytest.importorskip("ray", reason="ray is not installed (pip install 'specrl[ray
 
 from specrl.actor.policy import eos_token_ids, load_policy
 from specrl.data import load_prompts
-from specrl.distributed.rollout import RolloutWorkers, start_ray
+from specrl.distributed.rollout import (
+    RAY_AUTH_LOGGER,
+    RolloutWorkers,
+    start_ray,
+    token_auth_enabled_notice,
+)
 from specrl.engines import SamplingParams
 from specrl.engines.hf import HFEngine
 from specrl.speculative.stage import SpeculativeStage
@@ -227,3 +234,22 @@ def test_run_ahead_seeds_trees_and_leaves_the_samples_alone(
     assert plain_stats.tree_draft_tokens == 0  # nothing to draft from in a first rollout
     assert seeded_stats.tree_draft_tokens > 0 and seeded_stats.tree_accepted_tokens > 0
     _assert_same([plain], [seeded], atol=1e-4)
+
+
+def test_rays_token_auth_notice_is_dropped_and_its_warning_kept(ray_cluster):
+    """Ray 2.60 turns token authentication on for a new local cluster and says so in every
+    run: start_ray drops that notice; the warning that authentication is off still prints."""
+    from ray._private.authentication import authentication_token_setup as setup
+
+    logger = logging.getLogger(RAY_AUTH_LOGGER)
+    assert setup.logger is logger and token_auth_enabled_notice in logger.filters
+    seen = []
+    handler = logging.Handler()
+    handler.emit = lambda record: seen.append(record.getMessage())
+    logger.addHandler(handler)
+    try:
+        setup._warn_token_auth_enabled()
+        setup._warn_token_auth_disabled()
+    finally:
+        logger.removeHandler(handler)
+    assert len(seen) == 1 and seen[0].startswith("Token authentication is disabled")
