@@ -50,8 +50,8 @@ def evaluate(
         "val/reward_errors": scores.errors,
         "timing_s/testing": time.perf_counter() - start,
     }
-    if scores.stated_acc is not None:
-        metrics["val/acc/mean@1"] = float(np.mean(scores.stated_acc))
+    if (acc := scores.stated_acc) is not None:
+        metrics["val/acc/mean@1"] = float(np.mean(acc))
     if episodes is not None:
         metrics["val/num_turns/mean"] = turns / len(rollouts)
     return metrics

@@ -60,7 +60,8 @@ class Rollout:
     `loss_mask`: 1 for each sampled token, 0 for each token an environment wrote (an episode's
     observations, whose logprobs are 0.0 placeholders); None when every token was sampled.
     `reward`: an episode's environment rewards, summed (its score); None for single responses,
-    which the reward function scores. `acc`: the accuracy its environment last stated, if any.
+    which the reward function scores. `acc`: the accuracy its environment last stated, if any (None after an
+    environment error).
     """
 
     prompt: Prompt

@@ -9,6 +9,7 @@ from specrl.engines.hf.engine import HFEngine
 from specrl.evaluation import evaluate
 from specrl.rewards import (
     RewardFunctionError,
+    Scores,
     builtin_compute_score,
     call_with_timeout,
     load_reward_function,
@@ -159,6 +160,9 @@ def test_accuracy_is_what_a_reward_states_never_a_weighted_score(tmp_path):
         "def correct(data_source, solution_str, ground_truth, extra_info=None):\n"
         "    right = float(solution_str == ground_truth)\n"
         "    return {'score': right, 'acc': right}\n"
+        "def strict(data_source, solution_str, ground_truth, extra_info=None):\n"
+        "    assert solution_str == ground_truth\n"
+        "    return {'score': 1.0, 'acc': 1.0}\n"
         "def length(data_source, solution_str, ground_truth, extra_info=None):\n"
         "    return -float(len(solution_str))\n"
     )
@@ -173,6 +177,12 @@ def test_accuracy_is_what_a_reward_states_never_a_weighted_score(tmp_path):
         [CustomRewardConfig(path=str(path), name="length", weight=1.0)], timeout_s=5
     )
     assert alone(["42", "8"], EXAMPLES, ["p", "q"]).acc == [None, None]
+    failing = load_reward_functions([CustomRewardConfig(path=str(path), name="strict")], 5)
+    out = failing(["42", "8"], EXAMPLES, ["p", "q"])
+    assert (out.acc, out.errors) == ([1.0, None], 1)  # a failed call states nothing ...
+    scored = Scores(["42", "8"], out.scores, out.scores, out.acc)
+    assert scored.stated_acc == [1.0, 0.0]  # ... and is wrong where the batch states accuracy
+    assert Scores(["a"], [0.5], [0.5], [None]).stated_acc is None
 
     tokenizer = build_tokenizer()
     prompt = Prompt(tuple(tokenizer.encode("1+1=")), Example("1+1=", "2", "t"))

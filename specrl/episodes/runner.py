@@ -94,7 +94,7 @@ class _Episode:
             self.behaviour_logprobs if self.lenient else None,
             self.loss_mask,
             0.0 if self.finish == "env_error" else self.reward,
-            0.0 if self.finish == "env_error" else self.acc,
+            None if self.finish == "env_error" else self.acc,
         )
 
 

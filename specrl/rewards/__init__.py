@@ -80,8 +80,7 @@ class RewardFunction:
         for solution, example in zip(solutions, examples, strict=True):
             args = (example.data_source, solution, example.ground_truth, example.extra_info)
             value, error = call_with_timeout(self.fn, args, self.timeout_s)
-            out.scores.append(_check_score(value, error, out))
-            out.acc.append(stated_acc(value) if error is None else None)
+            _append_checked(value, error, out)
         return out
 
     def _call_batched(
@@ -105,12 +104,8 @@ class RewardFunction:
         )
         if error is None and (not isinstance(values, Sequence) or len(values) != len(solutions)):
             error = f"{self.name} returned {type(values).__name__}, expected a list of {len(solutions)} floats"
-        if error is not None:
-            out.scores = [_check_score(None, error, out) for _ in solutions]
-            values = [None] * len(solutions)
-        else:
-            out.scores = [_check_score(v, None, out) for v in values]
-        out.acc = [stated_acc(v) for v in values]
+        for value in [None] * len(solutions) if error is not None else values:
+            _append_checked(value, error, out)
         return out
 
 
@@ -119,7 +114,7 @@ class Scores:
     """The rewards of a batch of rollouts, kept beside them (rollouts are not changed): each
     response decoded, the reward's score (`reward`, what evaluation logs as the reward), the
     score trained on (`reward` plus DAPO's overlong penalty when on) and the accuracy the
-    reward states (`acc`, None where it states none)."""
+    reward states (`acc`, None where it states none or the call failed)."""
 
     texts: list[str]
     reward: list[float]
@@ -131,10 +126,11 @@ class Scores:
 
     @property
     def stated_acc(self) -> list[float] | None:
-        """Every rollout's accuracy, or None unless the reward stated one for each."""
-        if any(a is None for a in self.acc):
+        """Every rollout's accuracy where the reward states accuracy (a rollout it stated none
+        for, a failed call, is wrong); None where it states none at all."""
+        if all(a is None for a in self.acc):
             return None
-        return [float(a) for a in self.acc]
+        return [0.0 if a is None else float(a) for a in self.acc]
 
     def rows(self, index: Sequence[int]) -> Scores:
         return Scores(
@@ -295,6 +291,14 @@ def stated_acc(value: Any) -> float | None:
     if isinstance(acc, bool | int | float) and math.isfinite(float(acc)):
         return float(acc)
     return None
+
+
+def _append_checked(value: Any, error: str | None, out: RewardOutputs) -> None:
+    """One call's score and the accuracy it states (None for a failed call: scored 0, and
+    counted wrong where the batch states accuracy, see `Scores.stated_acc`)."""
+    errors = out.errors
+    out.scores.append(_check_score(value, error, out))
+    out.acc.append(None if out.errors > errors else stated_acc(value))
 
 
 def _check_score(value: Any, error: str | None, out: RewardOutputs) -> float:
