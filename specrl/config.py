@@ -234,6 +234,11 @@ class RolloutConfig(Section):
         False,
         description="vllm on a GPU shared with the trainer: offload the engine during updates",
     )
+    enforce_eager: bool = Field(
+        False,
+        description="vllm: run the model eagerly, without torch.compile or CUDA graphs (starts in "
+        "seconds instead of minutes; decodes slower)",
+    )
     spec: SpecConfig = Field(default_factory=SpecConfig)
     multi_turn: MultiTurnConfig = Field(default_factory=MultiTurnConfig)
     num_workers: int = Field(

@@ -52,6 +52,7 @@ def _vllm_engine(
         weight_transfer=weight_transfer,
         draft_tokens=spec.tree.max_draft_tokens if spec.decodes_with_drafts() else 0,
         draft_method=spec.tree.method,
+        enforce_eager=cfg.rollout.enforce_eager,
     )
 
 

@@ -36,7 +36,7 @@ import importlib.util
 import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, ClassVar, Literal
+from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 import numpy as np
 import torch
@@ -70,6 +70,9 @@ from specrl.engines.vllm.proposer import (
     count_suffix_drafts,
 )
 from specrl.errors import UserError
+
+if TYPE_CHECKING:
+    from vllm.logprobs import FlatLogprobs
 
 RESIDUAL_STREAM = 0x5E51D0A1  # seeds of the residual draws made here, apart from the walk's
 
@@ -123,13 +126,16 @@ class VLLMEngine:
         weight_transfer: str = "local",
         draft_tokens: int = 0,
         draft_method: Literal["specrl", "suffix"] = "specrl",
+        enforce_eager: bool = False,
     ) -> None:
         """`weight_transfer`: local (`load_weights` hands this process's tensors over) or nccl
         (a rollout worker on a GPU: the trainer broadcasts through vLLM's NCCL engine, driven
         from outside with the `llm`'s weight-update calls). `draft_tokens` > 0: vLLM decodes
         with speculative decoding through specrl's proposer, verifying up to that many draft
         tokens per request and step (`generate_with_drafts`); with `draft_method="suffix"`,
-        vLLM's suffix decoding proposes up to that many in every `generate` instead."""
+        vLLM's suffix decoding proposes up to that many in every `generate` instead.
+        `enforce_eager`: no torch.compile (and no CUDA graphs): starts in seconds, decodes
+        slower."""
         vllm = _import_vllm()
         from specrl.engines.vllm.weights import BACKEND
 
@@ -170,6 +176,7 @@ class VLLMEngine:
             max_logprobs=-1,
             gpu_memory_utilization=gpu_memory_utilization,
             enable_sleep_mode=sleep_mode,
+            enforce_eager=enforce_eager,
             weight_transfer_config={"backend": BACKEND if weight_transfer == "local" else "nccl"},
             **whole_prefills,
             **drafts,
@@ -266,61 +273,37 @@ class VLLMEngine:
         """The first token of a request with `excluded_tokens` is drawn from the residual without
         them; its reported logprob is under the full distribution.
 
-        vLLM applies `allowed_token_ids` before temperature, top-k and top-p. Where nothing is
-        truncated, masking commutes with temperature and vLLM draws the residual itself (the
-        full logprob is read back with `logprobs`; the prefix cache makes that prefill nearly
-        free). Under top-k / top-p, masking first would let tokens outside the policy's top-k
-        or nucleus in: vLLM reports the whole processed distribution after the context instead,
-        and the residual is drawn here, with a seeded uniform of its own stream (the uniform of
-        the request's position may already have decided that this token is drawn from a
-        residual: a trie walk that left, and must not decide which token too)."""
-        contexts = {i: [*requests[i].prompt_ids, *requests[i].prefix_ids] for i in rows}
-        truncated = [i for i in rows if _truncates(requests[i].sampling)]
-        masked = [i for i in rows if not _truncates(requests[i].sampling)]
-        drawn: dict[int, tuple[int, float]] = {}  # row → (token, its full logprob)
-        if truncated:
-            params = [
-                self._params(requests[i].sampling, 1, requests[i].seed, -1) for i in truncated
+        vLLM applies `allowed_token_ids` before temperature, top-k and top-p, which under top-k /
+        top-p would let tokens outside the policy's top-k or nucleus in. So vLLM reports the
+        whole processed distribution after each context (one position: `logprobs=-1`), and the
+        residual is drawn here: its argmax when greedy, else with a seeded uniform of its own
+        stream (the uniform of the request's position may already have decided that this token
+        is drawn from a residual: a trie walk that left, and must not decide which token too)."""
+        contexts = [[*requests[i].prompt_ids, *requests[i].prefix_ids] for i in rows]
+        params = [self._params(requests[i].sampling, 1, requests[i].seed, -1) for i in rows]
+        after = torch.stack(
+            [
+                _rows(out.outputs[0].logprobs, 0, 1, self.vocab_size)[0]
+                for out in self._run(contexts, params)
             ]
-            after = torch.full((len(truncated), self.vocab_size), float("-inf"))
-            for row, out in enumerate(self._run([contexts[i] for i in truncated], params)):
-                full = out.outputs[0].logprobs[0]  # every token: the processed distribution
-                after[row, list(full)] = torch.tensor([v.logprob for v in full.values()])
-            uniforms = seeded_uniform(
-                torch.tensor([requests[i].seed for i in truncated]) ^ RESIDUAL_STREAM,
-                torch.tensor([len(contexts[i]) for i in truncated]),
-            )
-            excluded = [requests[i].excluded_tokens for i in truncated]
-            tokens = sample_from_logprobs(residual_logprobs(after, excluded), uniforms)
-            for row, (i, t) in enumerate(zip(truncated, tokens.tolist(), strict=True)):
-                drawn[i] = (t, float(after[row, t]))
-        if masked:
-            params = []
-            for i in masked:
-                r = requests[i]
-                allowed = sorted(set(range(self.vocab_size)) - set(r.excluded_tokens))
-                params.append(self._params(r.sampling, 1, r.seed, allowed_token_ids=allowed))
-            outputs = self._run([contexts[i] for i in masked], params)
-            tokens = [out.outputs[0].token_ids[0] for out in outputs]
-            full = self.logprobs(
-                [
-                    LogprobRequest(contexts[i], [t], requests[i].sampling)
-                    for i, t in zip(masked, tokens, strict=True)
-                ]
-            )
-            drawn.update(
-                (i, (t, float(lp[0]))) for i, t, lp in zip(masked, tokens, full, strict=True)
-            )
-        for i, (t, logprob) in drawn.items():
+        )
+        residual = residual_logprobs(after, [requests[i].excluded_tokens for i in rows])
+        uniforms = seeded_uniform(
+            torch.tensor([requests[i].seed for i in rows]) ^ RESIDUAL_STREAM,
+            torch.tensor([len(c) for c in contexts]),
+        )
+        greedy = torch.tensor([requests[i].sampling.greedy for i in rows])
+        tokens = torch.where(
+            greedy, residual.argmax(-1), sample_from_logprobs(residual, uniforms)
+        ).tolist()
+        for row, (i, t) in enumerate(zip(rows, tokens, strict=True)):
             results[i].token_ids.append(int(t))
-            results[i].logprobs.append(logprob)
+            results[i].logprobs.append(float(after[row, t]))
             results[i].forwards += 1
             if t in self.eos_token_ids:
                 results[i].finish_reason = "stop"
 
-    def _params(
-        self, sampling: SamplingParams, max_tokens: int, seed: int, logprobs: int = 0, **extra: Any
-    ):
+    def _params(self, sampling: SamplingParams, max_tokens: int, seed: int, logprobs: int = 0):
         """vLLM's sampling params; `logprobs` -1: the sampled positions' whole distributions."""
         return self._vllm.SamplingParams(
             temperature=sampling.temperature,
@@ -331,7 +314,7 @@ class VLLMEngine:
             logprobs=logprobs,
             stop_token_ids=sorted(self.eos_token_ids),
             detokenize=False,
-            **extra,
+            flat_logprobs=True,
         )
 
     def _run(
@@ -390,7 +373,11 @@ class VLLMEngine:
         plain = [_untransformed(r.sampling) for r in requests]
         params = [
             self._vllm.SamplingParams(
-                max_tokens=1, prompt_logprobs=0 if p else -1, detokenize=False, temperature=0
+                max_tokens=1,
+                prompt_logprobs=0 if p else -1,
+                detokenize=False,
+                temperature=0,
+                flat_logprobs=True,
             )
             for p in plain
         ]
@@ -398,18 +385,11 @@ class VLLMEngine:
         scored = []
         for r, p, out in zip(requests, plain, outputs, strict=True):
             n = len(r.target_ids)
-            positions = out.prompt_logprobs[len(out.prompt_token_ids) - n :]
+            first = len(out.prompt_token_ids) - n
             if p:
-                scored.append(
-                    torch.tensor(
-                        [pos[t].logprob for pos, t in zip(positions, r.target_ids, strict=True)]
-                    )
-                )
+                scored.append(torch.tensor(_targets(out.prompt_logprobs, first, r.target_ids)))
                 continue
-            raw = torch.full((n, self.vocab_size), float("-inf"))
-            for row, pos in enumerate(positions):
-                ids = torch.tensor(list(pos.keys()))
-                raw[row, ids] = torch.tensor([v.logprob for v in pos.values()])
+            raw = _rows(out.prompt_logprobs, first, n, self.vocab_size)
             logprobs = sampling_logprobs(raw, RowSampling.of([r.sampling], raw.device).repeat(n))
             scored.append(logprobs.gather(1, torch.tensor(r.target_ids)[:, None]).squeeze(1))
         return scored
@@ -503,7 +483,28 @@ def _sibling_intervals(logprobs: np.ndarray, parents: Sequence[int]) -> TrieScor
     return TrieScores(logprobs, low, high, np.ones(len(probs)), coupled=False)
 
 
-def _sampled_logprobs(token_ids: Sequence[int], logprobs: Sequence[dict] | None) -> list[float]:
+def _sampled_logprobs(token_ids: Sequence[int], logprobs: FlatLogprobs | None) -> list[float]:
     if logprobs is None:
         return [0.0] * len(token_ids)
-    return [float(pos[t].logprob) for t, pos in zip(token_ids, logprobs, strict=True)]
+    return _targets(logprobs, 0, token_ids)
+
+
+def _targets(flat: FlatLogprobs, first: int, token_ids: Sequence[int]) -> list[float]:
+    """The logprobs of `token_ids` at positions `first`, `first + 1`, ... of vLLM's flat
+    logprobs, where each position lists its own token first."""
+    starts = flat.start_indices[first : first + len(token_ids)]
+    if [flat.token_ids[s] for s in starts] != list(token_ids):
+        raise RuntimeError("vLLM's logprobs do not start with each position's token")
+    return [flat.logprobs[s] for s in starts]
+
+
+def _rows(flat: FlatLogprobs, first: int, n: int, vocab_size: int) -> torch.Tensor:
+    """Positions `first` .. `first + n - 1` of vLLM's flat logprobs (every token: `logprobs` or
+    `prompt_logprobs` -1) as an [n, vocab] tensor; -inf where vLLM listed nothing."""
+    starts = torch.tensor(flat.start_indices[first : first + n])
+    ends = torch.tensor(flat.end_indices[first : first + n])
+    lo, hi = int(starts[0]), int(ends[-1])
+    rows = torch.repeat_interleave(torch.arange(n), ends - starts)
+    out = torch.full((n, vocab_size), float("-inf"))
+    out[rows, torch.tensor(flat.token_ids[lo:hi])] = torch.tensor(flat.logprobs[lo:hi])
+    return out
