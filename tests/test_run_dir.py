@@ -104,6 +104,7 @@ def straight_run(tiny_policy_dir, tmp_path_factory) -> list[dict]:
 STEPS = "trainer.total_training_steps=10"
 
 
+@pytest.mark.xdist_group("straight-run")  # one pytest worker runs the fixture
 @pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
 def test_an_interrupted_run_saves_and_its_rerun_resumes_as_if_uninterrupted(
     tiny_policy_dir, straight_run, tmp_path, signum

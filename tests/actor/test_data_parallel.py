@@ -30,6 +30,7 @@ from tests.actor.test_update import rollouts
 from tests.conftest import make_tiny_model
 
 MODES = ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
+pytestmark = pytest.mark.xdist_group("data-parallel")  # one pytest worker spawns the ranks
 CASES = [(mode, 1e9) for mode in MODES] + [("token-mean", 0.05)]  # (loss_agg_mode, grad_clip)
 
 

@@ -122,18 +122,33 @@ def _assert_same(a_rounds, b_rounds, atol: float) -> None:
                 assert a.behaviour_logprobs == pytest.approx(b.behaviour_logprobs, abs=atol, rel=0)
 
 
+@pytest.fixture(scope="module")
+def two_workers(ray_cluster, peaked_policy_dir, tmp_path_factory):
+    """rule → the rounds, stats and live workers of two workers without faults (each run once,
+    when first asked for)."""
+    runs = {}
+
+    def run(rule: str):
+        if rule not in runs:
+            out = tmp_path_factory.mktemp(f"two-{rule}")
+            runs[rule] = _on_workers(
+                peaked_policy_dir, out, [*RULES[rule], "rollout.num_workers=2"]
+            )
+        return runs[rule]
+
+    return run
+
+
 @pytest.mark.parametrize("rule", list(RULES))
 def test_one_worker_is_in_process_bitwise_and_two_agree(
-    ray_cluster, peaked_policy_dir, tmp_path, rule
+    two_workers, peaked_policy_dir, tmp_path, rule
 ):
     local = _in_process(peaked_policy_dir, tmp_path, RULES[rule])
     drafted = [r for r in local[-1] if r.policy_version == ROUNDS]
     assert drafted
     one, _, _ = _on_workers(peaked_policy_dir, tmp_path, [*RULES[rule], "rollout.num_workers=1"])
     _assert_same(local, one, atol=0.0)
-    two, stats, _ = _on_workers(
-        peaked_policy_dir, tmp_path, [*RULES[rule], "rollout.num_workers=2"]
-    )
+    two, stats, _ = two_workers(rule)
     _assert_same(local, two, atol=1e-4)
     later = stats[-1]
     assert later.workers == 2 and later.drafts == BATCH * N
@@ -141,22 +156,15 @@ def test_one_worker_is_in_process_bitwise_and_two_agree(
     assert later.tree_draft_tokens > 0
 
 
-@pytest.fixture(scope="module")
-def clean_rounds(ray_cluster, peaked_policy_dir, tmp_path_factory):
-    """The rounds of two workers under the exact rule, without faults."""
-    out = tmp_path_factory.mktemp("clean")
-    return _on_workers(peaked_policy_dir, out, [*RULES["exact"], "rollout.num_workers=2"])[0]
-
-
 def test_a_worker_dying_or_hanging_mid_rollout_loses_nothing(
-    ray_cluster, peaked_policy_dir, clean_rounds, tmp_path
+    two_workers, peaked_policy_dir, tmp_path
 ):
     overrides = [
         *RULES["exact"],
         "rollout.num_workers=2",
         "rollout.fault_tolerance.step_timeout_s=10",  # a call here takes well under 1 s
     ]
-    clean = clean_rounds
+    clean = two_workers("exact")[0]
     faults = [(2, 0, "exit"), (3, 1, "hang")]
     killed, stats, live = _on_workers(peaked_policy_dir, tmp_path, overrides, faults=faults)
     _assert_same(clean, killed, atol=0.0)  # restarted, given their shards, the same calls: bitwise
@@ -165,14 +173,14 @@ def test_a_worker_dying_or_hanging_mid_rollout_loses_nothing(
 
 
 def test_restarts_exhausted_the_run_goes_on_with_fewer_workers(
-    ray_cluster, peaked_policy_dir, clean_rounds, tmp_path
+    two_workers, peaked_policy_dir, tmp_path
 ):
     overrides = [
         *RULES["exact"],
         "rollout.num_workers=2",
         "rollout.fault_tolerance.max_restarts=0",
     ]
-    clean = clean_rounds
+    clean = two_workers("exact")[0]
     killed, stats, live = _on_workers(
         peaked_policy_dir, tmp_path, overrides, faults=[(2, 1, "exit")]
     )
