@@ -64,6 +64,7 @@ def save_checkpoint(
             "numpy": np.random.get_state(),
             "torch": torch.get_rng_state(),
         },
+        "torch_threads": torch.get_num_threads(),  # a resumed run computes with them again
         **{name: part.state_dict() for name, part in parts.items()},
     }
     torch.save(state, staging / STATE_FILE)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import difflib
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
 from pydantic import (
@@ -490,11 +490,12 @@ class TrainerConfig(Section):
         ge=1,
         description="stop, after saving, when this many steps in a row had non-finite losses",
     )
-    num_threads: int | None = Field(
-        None,
-        ge=1,
-        description="torch CPU threads; None: torch's default (the cores); a machine busier than "
-        "the run gets a one-line hint to set 1 (2 threads beside a busy process ran 7x slower)",
+    num_threads: Literal["auto"] | Annotated[int, Field(ge=1)] = Field(
+        "auto",
+        description="torch CPU threads; auto: the cores the machine's load leaves free when the "
+        "run first starts (OMP_NUM_THREADS wins where set), kept for the whole run and its "
+        "resumes; a machine that gets busier prints a one-line hint to set 1 (2 threads beside "
+        "a busy process ran 7x slower)",
     )
     nnodes: int = Field(
         1, ge=1, description="GPU nodes of the learner group (with n_gpus_per_node)"

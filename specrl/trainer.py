@@ -40,6 +40,7 @@ from specrl.models import resolve_model_path
 from specrl.rewards import RewardFunctionError, Scores, load_reward_functions, score_rollouts
 from specrl.run_dir import RunInterrupted, StopSignals, open_run_dir
 from specrl.speculative.stage import SpeculativeStage
+from specrl.threads import run_threads
 from specrl.toy_policy import ToyPolicySpec, ensure_toy_policy
 from specrl.tracking import Tracker
 from specrl.types import Rollout
@@ -65,14 +66,16 @@ class Trainer:
             project=cfg.trainer.project_name,
             experiment=cfg.trainer.experiment_name,
         )
-        if cfg.trainer.num_threads:
-            torch.set_num_threads(cfg.trainer.num_threads)
         seed_everything(cfg.trainer.seed)
         log = self.tracker.print
         starting_over = cfg.trainer.resume_mode == "disable"
         self.lock = open_run_dir(self.run_dir, starting_over, log)
         self.resume_from = resolve_resume(cfg.trainer.resume_mode, self.run_dir)
         state = load_trainer_state(self.resume_from) if self.resume_from else None
+        threads, self.threads_note = run_threads(
+            cfg.trainer.num_threads, state and state.get("torch_threads")
+        )
+        torch.set_num_threads(threads)
         if state is not None:  # before any model is loaded
             config = cfg.model_dump(mode="json")
             check_resumed_config(self.run_dir, config, state["global_step"], self.tracker.warn)
@@ -159,6 +162,8 @@ class Trainer:
     # ---------------------------------------------------------------- loop
     def fit(self) -> dict[str, float]:
         save_config(self.cfg, self.run_dir / "config.yaml")
+        if self.threads_note:  # after every check of the input: bad input gets one line
+            self.tracker.print(self.threads_note)
         if self.resume_from is not None:
             self.tracker.print(
                 f"resuming from {self.resume_from} at step {self.global_step} "
