@@ -23,6 +23,7 @@ import json
 import os
 import platform
 from collections.abc import Sequence
+from dataclasses import asdict
 from importlib import metadata
 from pathlib import Path
 from typing import Any
@@ -31,10 +32,13 @@ import torch
 import transformers
 
 from specrl.config import Config, ConfigError, validated
+from specrl.cost_model import ModelShape
 from specrl.errors import UserError
 from specrl.plots import plot_metrics
+from specrl.projection import machine_check, recorded_steps
 from specrl.run_dir import heldout_metric
 from specrl.speculative.stats import RolloutStats
+from specrl.threads import run_threads
 from specrl.trainer import Trainer
 
 SPECRL_TREES = {"tree.enabled": True, "tree.method": "specrl"}
@@ -98,16 +102,22 @@ def run_bench(
     seed's runs go to DIR/seed<N>/<arm> and bench.json pools them (see `summarize`)."""
     seeds = list(seeds or [cfg.trainer.seed])
     arms = arms or DEFAULT_ARMS
+    if cfg.trainer.num_threads == "auto":  # decided once: every arm computes with the same
+        cfg = cfg.model_copy(deep=True)
+        cfg.trainer.num_threads, why = run_threads("auto", None)
+        log(f"bench: {why or f'torch threads: {cfg.trainer.num_threads}'} (every arm)")
     for arm in arms:  # an arm the config cannot run stops the bench before any training
         arm_config(cfg, arm, seeds[0], out_dir)
     runs: dict[str, list[list[dict[str, float]]]] = {arm: [] for arm in arms}
     plotted: dict[str, list[dict[str, float]]] = {}
     load = {"start": _load_average()}  # the machine's load before and after each run
+    shape = None
     for seed in seeds:
         seed_dir = out_dir if len(seeds) == 1 else out_dir / f"seed{seed}"
         for arm in arms:
             log(f"bench: training the {arm} arm (seed {seed}) into {seed_dir / arm}")
             trainer = Trainer(arm_config(cfg, arm, seed, seed_dir))
+            shape = shape or policy_shape(Path(trainer.model_dir))
             trainer.fit()
             runs[arm].append(trainer.tracker.history)
             plotted[arm if len(seeds) == 1 else f"{arm} seed {seed}"] = trainer.tracker.history
@@ -115,6 +125,16 @@ def run_bench(
     result = summarize(runs, cfg, seeds)
     result["load_average"] = load
     result["warnings"] = timing_warnings(result, load, os.cpu_count() or 1)
+    result["model_shape"] = asdict(shape)
+    if "vanilla" in arms:
+        steps = {arm: [s for h in runs[arm] for s in recorded_steps(h)] for arm in arms}
+        result["cost_model_check"] = check = machine_check(steps, shape)
+        for arm, c in check["arms"].items():
+            log(
+                f"bench: cost model on this machine (fitted to vanilla): {arm} predicted "
+                f"{c['predicted_s']:.1f} s, measured {c['measured_s']:.1f} s "
+                f"({c['residual']:+.1%})"
+            )
     for warning in result["warnings"]:
         log(f"bench: warning: {warning}")
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -151,6 +171,12 @@ def timing_warnings(result: dict[str, Any], load: dict[str, list[float]], cores:
                 "else; rerun alone"
             )
     return warnings
+
+
+def policy_shape(model_dir: Path) -> ModelShape:
+    """The shape of the policy a bench trains, for the cost model."""
+    config = json.loads((model_dir / "config.json").read_text())
+    return ModelShape.from_config(model_dir.name, config)
 
 
 def _load_average() -> list[float]:

@@ -27,6 +27,8 @@ def main(argv: list[str] | None = None) -> int:
             return _bench(args.config, args.out, args.arms, args.seeds, args.overrides)
         if args.command == "report":
             return _report(args.run_dir)
+        if args.command == "project":
+            return _project(args.bench_dir, args.device, args.model, args.stretch)
         if args.command == "model":
             return _model(args.name, args.force)
         if args.command == "data":
@@ -92,6 +94,27 @@ def build_parser() -> argparse.ArgumentParser:
         nargs="*",
         metavar="key=value",
         help="dotted overrides, e.g. rollout.spec.acceptance=exact",
+    )
+    project = commands.add_parser(
+        "project",
+        help="price a finished bench's recorded forwards on another device and model shape "
+        "(a projection, with the cost model checked on the bench's own machine)",
+    )
+    project.add_argument("bench_dir", help="a `specrl bench --out` directory")
+    project.add_argument(
+        "--device",
+        default="h100",
+        help="h100, h200, or name=...,flops=...,bandwidth=...,overhead_ms=...",
+    )
+    project.add_argument(
+        "--model",
+        default="qwen2.5-7b",
+        help="qwen2.5-1.5b, qwen2.5-7b, or the path of a Hugging Face config.json",
+    )
+    project.add_argument(
+        "--stretch",
+        default="1",
+        help="comma-separated factors the responses are stretched by, e.g. 1,20,100 (default 1)",
     )
     config = commands.add_parser(
         "config", help="print the resolved config, each key with its description and default"
@@ -182,6 +205,45 @@ def _report(run_dir: str) -> int:
     from specrl.report import report
 
     print(f"wrote {report(Path(run_dir))}")
+    return 0
+
+
+def _project(bench_dir: str, device: str, model: str, stretch: str) -> int:
+    from pathlib import Path
+
+    from specrl.cost_model import Device, ModelShape
+    from specrl.projection import project_bench
+
+    try:
+        stretches = [float(s) for s in stretch.split(",")]
+    except ValueError:
+        raise UserError(
+            f"--stretch {stretch!r}: give comma-separated factors, e.g. 1,20,100"
+        ) from None
+    target, shape = Device.named(device), ModelShape.named(model)
+    result = project_bench(Path(bench_dir), target, shape, stretches)
+    check = result["check"]
+    if check:
+        print(f"cost model on {result['measured_on']} (fitted to the vanilla arm):")
+        for arm, c in check["arms"].items():
+            print(
+                f"  {arm:>10}: measured {c['measured_s']:8.1f} s, predicted "
+                f"{c['predicted_s']:8.1f} s ({c['residual']:+.1%})"
+            )
+    print(
+        f"PROJECTION (not a measurement) for {shape.name} ({shape.params / 1e9:.2f}B parameters) "
+        f"on {target.name}: {target.source}"
+    )
+    for projection in result["projections"]:
+        stretched = projection["response_stretch"]
+        for arm, p in projection["arms"].items():
+            speedup = p["projected_rollout_speedup"]
+            print(
+                f"  responses x{stretched:g} {arm:>10}: {p['projected_rollout_s']:9.1f} s"
+                + (f", {speedup:.2f}x vanilla" if speedup else "")
+            )
+    for limit in result["cannot_know"]:
+        print(f"  it cannot know: {limit}")
     return 0
 
 

@@ -38,6 +38,7 @@ from typing import Protocol
 import numpy as np
 import torch
 
+from specrl.engines.accounting import ForwardCounts
 from specrl.types import FinishReason
 
 
@@ -174,6 +175,7 @@ class Drafter(Protocol):
 class RolloutEngine(Protocol):
     eos_token_ids: frozenset[int]
     capabilities: Capabilities
+    counts: ForwardCounts  # every forward so far (`accounting`): the stage reads its growth
 
     def generate(
         self, requests: Sequence[GenRequest], prefixes: Prefixes | None = None

@@ -16,6 +16,7 @@ drafts and tree, what moves with a prompt between workers that own shards of pro
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import hashlib
 import time
@@ -259,6 +260,7 @@ class SpeculativeStage:
     ) -> tuple[list[Rollout], RolloutStats]:
         """One rollout per request, in order."""
         start = time.perf_counter()
+        computed = copy.copy(self.engine.counts)
         stats = RolloutStats(
             speculative=self.cfg.enabled,
             tree=self.counts_drafts,
@@ -306,6 +308,7 @@ class SpeculativeStage:
             for r in rollouts:
                 self.store.put(r)
         stats.rollout_s += time.perf_counter() - start
+        stats.compute = self.engine.counts - computed
         self._count(stats, slots, rollouts, results, policy_version)
         return rollouts, stats
 

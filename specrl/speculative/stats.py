@@ -9,10 +9,13 @@ themselves, so that any span of a run's metrics can be summed back into a `Rollo
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, fields
 
 import numpy as np
+
+from specrl.engines.accounting import ForwardCounts
 
 GAUGE = {"gauge": True}
 
@@ -58,6 +61,7 @@ class RolloutStats:
     tree_nodes: int = field(default=0, metadata=GAUGE)
     tree_prompts: int = field(default=0, metadata=GAUGE)
     tree_acceptance_estimate: float = field(default=0.0, metadata=GAUGE)
+    compute: ForwardCounts = field(default_factory=ForwardCounts)  # the engine's forwards
 
     def __add__(self, other: RolloutStats) -> RolloutStats:
         return RolloutStats(
@@ -87,6 +91,9 @@ class RolloutStats:
         out.slowest_forwards = max((s.slowest_forwards for s in stats), default=0)
         out.gen_s = max((s.gen_s for s in stats), default=0.0)
         out.rollout_s = wall_s
+        out.compute = functools.reduce(
+            ForwardCounts.side_by_side, (s.compute for s in stats), ForwardCounts()
+        )
         out.tree_acceptance_estimate = float(
             np.mean([s.tree_acceptance_estimate for s in stats]) if stats else 0.0
         )
@@ -140,7 +147,7 @@ class RolloutStats:
         ratios = self.ratios()
         if not self.speculative:
             ratios = {k: v for k, v in ratios.items() if k not in REUSE_RATIOS}
-        return {**out, **ratios}
+        return {**out, **self.compute.metrics(), **ratios}
 
     @classmethod
     def from_metrics(cls, metrics: Mapping[str, float]) -> RolloutStats:
@@ -149,7 +156,7 @@ class RolloutStats:
         values["speculative"] = "spec/reused_token_ratio" in metrics
         values["tree"] = "spec/tree/forwards" in metrics
         values["lenient"] = "spec/behaviour_gap_sum" in metrics
-        return cls(**values)
+        return cls(**values, compute=ForwardCounts.from_metrics(metrics))
 
     def _applies(self, name: str) -> bool:
         if name.startswith("tree_"):

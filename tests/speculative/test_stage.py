@@ -194,6 +194,7 @@ def test_a_rule_the_engine_cannot_serve_is_refused_at_construction(engine):
         eos_token_ids = engine.eos_token_ids
         generate = engine.generate
         logprobs = engine.logprobs
+        counts = engine.counts
 
     with pytest.raises(UserError, match=r"rollout\.spec\.acceptance=exact needs an engine"):
         SpeculativeStage(PlainEngine(), SAMPLING, R, SpecConfig(tree=NO_TREE))

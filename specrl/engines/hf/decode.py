@@ -18,6 +18,7 @@ from dataclasses import dataclass, replace
 import torch
 from transformers import DynamicCache
 
+from specrl.engines.accounting import ForwardCounts
 from specrl.engines.hf.kv_cache import DecodeCache, drop_padding, layers_kv, merge
 from specrl.engines.hf.prefix_cache import Hit, PrefixCache
 from specrl.engines.protocol import Drafter, GenRequest, GenResult
@@ -39,6 +40,7 @@ class Decoder:
     handle and drafter (either may be None)."""
 
     forward: Forward
+    counts: ForwardCounts
     eos_token_ids: frozenset[int]
     pad_token_id: int
     device: torch.device
@@ -88,6 +90,7 @@ class Decoder:
             cols = torch.arange(width + 1, device=self.device)
             attention = torch.cat([attention, (cols[None] <= proposed[:, None]).long()], dim=1)
             logits = self.forward(fed, attention, positions[:, None] + cols, cache)  # [B, K+1, V]
+            self._count_decode(attention, proposed)
             # columns past a row's own drafts are never emitted; clamped, they read any uniform
             at = (done[:, None] + cols).clamp(max=uniforms.shape[1] - 1)
             column_uniforms = uniforms.gather(1, at)  # [B, K+1]
@@ -145,6 +148,21 @@ class Decoder:
             rejected = [()] * len(rows)
             if width and _sparse(attention):
                 attention = cache.compact(attention)
+
+    def _count_decode(self, attention: torch.Tensor, proposed: torch.Tensor) -> None:
+        """One decode forward: each row's fed token and its drafts (`proposed` [B]) after the
+        context it attends to (`attention` [B, W], the fed columns last)."""
+        fed = proposed + 1
+        past = attention.sum(1) - fed
+        pairs = fed * past + fed * (fed + 1) // 2
+        self.counts.record(
+            "decode",
+            len(fed),
+            int(fed.sum()),
+            int(attention.sum()),
+            int(pairs.sum()),
+            draft_positions=int(proposed.sum()),
+        )
 
     def _first_tokens(
         self, requests: list[GenRequest], results: list[GenResult]
@@ -260,6 +278,7 @@ class Decoder:
             cache = DynamicCache()
             positions = (attention.cumsum(-1) - 1).clamp(min=0)
             self.forward(ids, attention, positions, cache, keep=1)
+            self.counts.record("prefill", *prefill_counts(attention))
             parts.append((compute, layers_kv(cache), attention))
         if empty:  # single-token contexts: nothing to prefill
             parts.append(
@@ -317,6 +336,13 @@ def _uniform_table(seeds: torch.Tensor, first: torch.Tensor, width: int) -> torc
 
 def _reason(stopped: bool) -> FinishReason:
     return "stop" if stopped else "length"
+
+
+def prefill_counts(attention: torch.Tensor) -> tuple[int, int, int, int]:
+    """(rows, positions, KV reads, query-key pairs) of a forward over left-padded sequences
+    with nothing cached (`attention` [B, T], 1 on real tokens), causal."""
+    real = attention.sum(1)
+    return len(real), int(real.sum()), int(real.sum()), int((real * (real + 1) // 2).sum())
 
 
 def left_pad(

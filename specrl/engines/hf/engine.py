@@ -16,7 +16,8 @@ import numpy as np
 import torch
 from transformers import AutoModelForCausalLM, DynamicCache, PreTrainedModel
 
-from specrl.engines.hf.decode import Decoder, left_pad
+from specrl.engines.accounting import ForwardCounts
+from specrl.engines.hf.decode import Decoder, left_pad, prefill_counts
 from specrl.engines.hf.kv_cache import layers_kv
 from specrl.engines.hf.prefix_cache import PrefixCache
 from specrl.engines.protocol import (
@@ -52,6 +53,7 @@ class HFEngine:
         self.eos_token_ids = frozenset(eos_token_ids)
         self.pad_token_id = pad_token_id
         self.max_batch_size = max_batch_size
+        self.counts = ForwardCounts()
 
     @classmethod
     def from_pretrained(
@@ -84,7 +86,7 @@ class HFEngine:
         return self._decode(requests, Decoder(*self._decoder_args(), prefixes, drafter))
 
     def _decoder_args(self) -> tuple:
-        return self.forward, self.eos_token_ids, self.pad_token_id, self.device
+        return self.forward, self.counts, self.eos_token_ids, self.pad_token_id, self.device
 
     @torch.inference_mode()
     def _decode(self, requests: Sequence[GenRequest], decoder: Decoder) -> list[GenResult]:
@@ -127,6 +129,7 @@ class HFEngine:
         # last one predicts the token after the sequence.
         n = max(len(r.target_ids) for r in requests)
         logits = self.forward(ids, attention, positions, cache, keep=n + 1)  # [B, n + 1, V]
+        self.counts.record("score", *prefill_counts(attention))
         sampling = RowSampling.of([r.sampling for r in requests], self.device).repeat(n + 1)
         distributions = sampling_logprobs(logits.reshape(-1, logits.shape[-1]), sampling)
         distributions = distributions.view(len(requests), n + 1, -1)  # [B, n + 1, V]
@@ -174,6 +177,9 @@ class HFEngine:
         # the last prompt column and every node column: their logits give the distribution
         # after the root and after each node
         logits = self.forward(ids, bias[:, None].to(self.device), positions, cache, keep=most + 1)
+        pairs = int((mask & attention.bool()[:, :, None].cpu()).sum())
+        real = attention.sum(1)
+        self.counts.record("score", len(requests), int(real.sum()), int(real.sum()), pairs)
         out, kept = [], []
         for row, r in zip(logits, requests, strict=True):
             nodes = len(r.tokens)

@@ -41,6 +41,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Literal
 import numpy as np
 import torch
 
+from specrl.engines.accounting import ForwardCounts, causal_attended
 from specrl.engines.protocol import (
     Capabilities,
     Drafter,
@@ -201,6 +202,7 @@ class VLLMEngine:
             self.llm.collective_rpc(count_suffix_drafts)[0] if suffix else None
         )
         self.vocab_size = self.llm.llm_engine.model_config.get_vocab_size()
+        self.counts = ForwardCounts()
 
     # ---------------------------------------------------------------- generate
     def generate(
@@ -253,6 +255,7 @@ class VLLMEngine:
                 )
                 for i in todo
             ],
+            "decode",
             session,
             counts,
         )
@@ -263,8 +266,16 @@ class VLLMEngine:
             results[i].finish_reason = "stop" if completion.finish_reason == "stop" else "length"
             if counts is None:
                 results[i].forwards += len(completion.token_ids)
-            else:
-                counts.count(number, results[i])
+                continue
+            counts.count(number, results[i])
+            # each step computed the fed token and the drafts, not the accepted tokens: `_count`
+            # took one position per new token
+            drafts, context = results[i].draft_tokens, len(out.prompt_token_ids)
+            rejected = drafts - results[i].accepted_tokens
+            self.counts.record(
+                "decode", 0, rejected, 0, rejected * (context + len(completion.token_ids)),
+                draft_positions=drafts, forwards=0,
+            )  # fmt: skip
         return results
 
     def _residual_first_tokens(
@@ -284,7 +295,7 @@ class VLLMEngine:
         after = torch.stack(
             [
                 _rows(out.outputs[0].logprobs, 0, 1, self.vocab_size)[0]
-                for out in self._run(contexts, params)
+                for out in self._run(contexts, params, "decode")
             ]
         )
         residual = residual_logprobs(after, [requests[i].excluded_tokens for i in rows])
@@ -321,13 +332,16 @@ class VLLMEngine:
         self,
         contexts: list[list[int]],
         params: list,
+        kind: str,
         session: DraftSession | None = None,
         counts: DraftCounts | None = None,
     ) -> list:
         """vLLM's outputs for these requests, in order. With `session`, the proposer drafts for
         them while they decode, and each finished request is handed to the drafter at once (an
         online tree learns from it for the requests still running). With `counts` (vLLM's
-        suffix decoding), its drafts are counted per request."""
+        suffix decoding), its drafts are counted per request. Its engine steps are counted as
+        forwards of `kind` (decode, or score for prompt logprobs), each context as a prefill
+        (`accounting`)."""
         engine = self.llm.llm_engine
         index: dict[str, int] = {}
         for i, (context, p) in enumerate(zip(contexts, params, strict=True)):
@@ -344,6 +358,7 @@ class VLLMEngine:
             self.suffix.counts = counts
         try:
             while engine.has_unfinished_requests():
+                self.counts.record(kind, engine.get_num_unfinished_requests(), 0, 0, 0)
                 for out in engine.step():
                     if out.finished:
                         i = index[out.request_id]
@@ -355,7 +370,17 @@ class VLLMEngine:
                 self.proposer.session = None
             if self.suffix is not None:
                 self.suffix.counts = None
+        for out in outputs:
+            self._count(kind, len(out.prompt_token_ids), len(out.outputs[0].token_ids))
         return outputs
+
+    def _count(self, kind: str, context: int, new: int) -> None:
+        """A request's work, from its lengths: its context prefilled whole (the prefix cache
+        may have spared part of it), then one position per new token, each reading the context
+        so far (a scoring request's one new token included)."""
+        self.counts.record("prefill", 0, context, context, causal_attended(context, 0), forwards=0)
+        reads = new * context + new * (new - 1) // 2
+        self.counts.record(kind, 0, new, reads, reads + new, forwards=0)
 
     # ---------------------------------------------------------------- logprobs
     def logprobs(
@@ -381,7 +406,8 @@ class VLLMEngine:
             )
             for p in plain
         ]
-        outputs = self._run([list(r.context_ids) + list(r.target_ids) for r in requests], params)
+        sequences = [list(r.context_ids) + list(r.target_ids) for r in requests]
+        outputs = self._run(sequences, params, "score")
         scored = []
         for r, p, out in zip(requests, plain, outputs, strict=True):
             n = len(r.target_ids)

@@ -1,0 +1,113 @@
+"""What an engine computed, forward by forward: the counts a GPU's time follows.
+
+Every engine keeps a running `ForwardCounts` (`engine.counts`); the stage records how much it
+grew over a call in its `RolloutStats`, logged per step as `perf/<kind>/<quantity>`:
+
+- kinds: `prefill` (contexts before decoding), `decode` (one token per sequence, plus the
+  draft tokens verified in the same forward), `score` (scoring passes: verification, trie
+  nodes, behaviour logprobs; on the transformers engine the context is recomputed with them);
+- quantities: `forwards` (model calls, one after another: the latency path of the kind),
+  `rows` (sequences, summed over forwards), `positions` (token positions computed, padding
+  excluded), `draft_positions` (decode: of which draft tokens), `kv_reads` (KV entries read:
+  each row reads its whole context once per forward) and `attended` (query-key pairs: the
+  attention FLOPs follow them).
+
+The transformers engine counts its own forwards exactly. vLLM schedules internally: its
+forwards are the engine steps, and the positions and KV reads are derived from the requests
+(every context prefilled whole, as when the prefix cache misses).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
+
+KINDS = ("prefill", "decode", "score")
+
+
+@dataclass
+class ForwardCounts:
+    prefill_forwards: int = 0
+    prefill_rows: int = 0
+    prefill_positions: int = 0
+    prefill_kv_reads: int = 0
+    prefill_attended: int = 0
+    decode_forwards: int = 0
+    decode_rows: int = 0
+    decode_positions: int = 0
+    decode_draft_positions: int = 0
+    decode_kv_reads: int = 0
+    decode_attended: int = 0
+    score_forwards: int = 0
+    score_rows: int = 0
+    score_positions: int = 0
+    score_kv_reads: int = 0
+    score_attended: int = 0
+
+    def record(
+        self,
+        kind: str,
+        rows: int,
+        positions: int,
+        kv_reads: int,
+        attended: int,
+        draft_positions: int = 0,
+        forwards: int = 1,
+    ) -> None:
+        """Add `forwards` model calls of `kind` (one, unless an engine reports several)."""
+        if kind not in KINDS:
+            raise ValueError(f"forward kind {kind!r} is none of {KINDS}")
+        values = {
+            "forwards": forwards,
+            "rows": rows,
+            "positions": positions,
+            "kv_reads": kv_reads,
+            "attended": attended,
+        }
+        if kind == "decode":
+            values["draft_positions"] = draft_positions
+        for quantity, value in values.items():
+            name = f"{kind}_{quantity}"
+            setattr(self, name, getattr(self, name) + int(value))
+
+    def __add__(self, other: ForwardCounts) -> ForwardCounts:
+        return ForwardCounts(
+            **{f.name: getattr(self, f.name) + getattr(other, f.name) for f in fields(self)}
+        )
+
+    def __sub__(self, other: ForwardCounts) -> ForwardCounts:
+        return ForwardCounts(
+            **{f.name: getattr(self, f.name) - getattr(other, f.name) for f in fields(self)}
+        )
+
+    def side_by_side(self, other: ForwardCounts) -> ForwardCounts:
+        """Two engines that ran at the same time (rollout workers): the work adds up, the
+        forwards one after another are the longer sequence's."""
+        out = self + other
+        for kind in KINDS:
+            name = f"{kind}_forwards"
+            setattr(out, name, max(getattr(self, name), getattr(other, name)))
+        return out
+
+    def metrics(self) -> dict[str, float]:
+        return {metric_name(f.name): float(getattr(self, f.name)) for f in fields(self)}
+
+    @classmethod
+    def from_metrics(cls, metrics: Mapping[str, float]) -> ForwardCounts:
+        return cls(
+            **{
+                f.name: int(metrics[metric_name(f.name)])
+                for f in fields(cls)
+                if metric_name(f.name) in metrics
+            }
+        )
+
+
+def metric_name(field_name: str) -> str:
+    kind, quantity = field_name.split("_", 1)
+    return f"perf/{kind}/{quantity}"
+
+
+def causal_attended(positions: int, past: int) -> int:
+    """Query-key pairs of `positions` new tokens after `past` cached ones, causally."""
+    return positions * past + positions * (positions + 1) // 2

@@ -1,0 +1,60 @@
+"""The transformers engine counts what it computes (`perf/*`): forwards, rows, positions, KV
+reads and query-key pairs, equal to hand-computed counts for known lengths, drafts and tries."""
+
+from specrl.engines import GREEDY, GenRequest, LogprobRequest, TrieRequest
+from specrl.engines.accounting import ForwardCounts
+from specrl.engines.hf import HFEngine
+from tests.conftest import EOS, PAD, make_tiny_model
+from tests.engines.test_drafts import drafting
+
+
+def engine() -> HFEngine:
+    return HFEngine(make_tiny_model(seed=0), [EOS], PAD)
+
+
+def test_decoding_counts_one_position_per_row_and_forward():
+    hf = engine()
+    results = hf.generate([GenRequest([3, 4, 5], 6, GREEDY), GenRequest([6, 7], 4, GREEDY)])
+    n = [len(r.token_ids) for r in results]
+    assert n[0] > 0 and n[1] > 0
+    c = hf.counts
+    # the contexts but their last token: 2 + 1 positions in one forward, causal pairs 3 + 1
+    assert (c.prefill_forwards, c.prefill_rows, c.prefill_positions) == (1, 2, 3)
+    assert (c.prefill_kv_reads, c.prefill_attended) == (3, 4)
+    # then row i is in n_i forwards, reading its context of L_i + j tokens at step j
+    reads = sum(length + j for length, k in zip((3, 2), n, strict=True) for j in range(k))
+    assert (c.decode_forwards, c.decode_rows, c.decode_positions) == (max(n), sum(n), sum(n))
+    assert (c.decode_kv_reads, c.decode_attended, c.decode_draft_positions) == (reads, reads, 0)
+    assert c.score_forwards == 0
+
+
+def test_drafts_are_positions_of_the_decode_forwards_that_verify_them():
+    hf = engine()
+    request = GenRequest([3, 4, 5], 12, GREEDY)
+    own = hf.generate([request])[0].token_ids
+    assert len(own) == 12  # no end of sequence: every forward below is known
+    hf.counts = ForwardCounts()
+    drafted = hf.generate_with_drafts([request], drafting([own], k=4))[0]
+    assert drafted.token_ids == own and drafted.accepted_tokens == drafted.draft_tokens
+    c = hf.counts
+    # K = 4 while 5 tokens fit: forwards feed 1+4, 1+4, then 1+1 (two tokens left)
+    assert (c.decode_forwards, c.decode_rows) == (3, 3)
+    assert (c.decode_positions, c.decode_draft_positions) == (12, 9)
+    # pasts 2, 7, 12: KV read 7 + 12 + 14; pairs (10 + 15) + (35 + 15) + (24 + 3)
+    assert (c.decode_kv_reads, c.decode_attended) == (33, 102)
+
+
+def test_scoring_and_tries_count_every_position_they_compute():
+    hf = engine()
+    hf.logprobs([LogprobRequest([3, 4], [5, 6, 7]), LogprobRequest([8], [9])] * 2)
+    c = hf.counts  # identical requests computed once
+    assert (c.score_forwards, c.score_rows, c.score_positions) == (1, 2, 7)
+    assert (c.score_kv_reads, c.score_attended) == (7, 15 + 3)
+    hf.counts = ForwardCounts()
+    # a prompt of 3 and a trie of 3 nodes: 1 under the root, 2 and 3 under node 1
+    hf.score_tries([TrieRequest([3, 4, 5], [0, 1, 1], [6, 7, 8])])
+    c = hf.counts
+    assert (c.score_forwards, c.score_rows, c.score_positions, c.score_kv_reads) == (1, 1, 6, 6)
+    assert c.score_attended == 6 + (3 + 1) + 2 * (
+        3 + 2
+    )  # the prompt causal, each node: prompt + path

@@ -1,0 +1,132 @@
+"""The cost model: shapes from Hugging Face configs, the roofline price of a step's forwards
+(hand-computed), the fit of a machine's constants, stretched traces, and `specrl project` over a
+finished bench."""
+
+import json
+import math
+
+import pytest
+
+from specrl.cli import main
+from specrl.cost_model import (
+    DEVICES,
+    Device,
+    ModelShape,
+    fit_device,
+    step_seconds,
+    stretched,
+)
+from specrl.engines.accounting import ForwardCounts
+from specrl.errors import UserError
+from tests.conftest import small_config
+
+
+def test_shapes_have_their_published_parameter_counts():
+    assert ModelShape.named("qwen2.5-7b").params == pytest.approx(7.62e9, rel=0.005)
+    small = ModelShape.named("qwen2.5-1.5b")
+    assert small.params == pytest.approx(1.54e9, rel=0.005)
+    assert small.kv_bytes_per_token == 2 * 28 * 2 * 128 * 2  # K and V, layers, KV heads, bf16
+
+
+def test_a_shape_from_a_config_file_and_bad_names_in_one_line(tmp_path):
+    config = {
+        "num_hidden_layers": 2, "hidden_size": 64, "intermediate_size": 128,
+        "num_attention_heads": 4, "vocab_size": 100, "tie_word_embeddings": True,
+        "torch_dtype": "float32",
+    }  # fmt: skip
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    shape = ModelShape.named(str(tmp_path))
+    assert (shape.kv_heads, shape.head_dim, shape.dtype_bytes) == (4, 16, 4)
+    assert shape.params == 2 * (64 * 16 * 16 + 3 * 64 * 128) + 100 * 64
+    with pytest.raises(UserError, match=r"neither qwen2\.5-1\.5b"):
+        ModelShape.named(str(tmp_path / "nowhere"))
+    with pytest.raises(UserError, match=r"name=\.\.\.,flops="):
+        Device.named("flops=1e12")  # no bandwidth
+    custom = Device.named("name=gpu,flops=1e15,bandwidth=2e12,overhead_ms=4")
+    assert (custom.peak_flops, custom.bandwidth, custom.overhead_s) == (1e15, 2e12, 4e-3)
+
+
+def test_a_step_costs_its_forwards_at_the_larger_of_compute_and_memory():
+    shape, h100 = ModelShape.named("qwen2.5-7b"), DEVICES["h100"]
+    counts = ForwardCounts()
+    # 10 decode forwards of 64 rows, each row reading 1000 KV entries: memory-bound
+    counts.record("decode", 640, 640, 640_000, 640_000, forwards=10)
+    # one scoring pass of 8192 positions: compute-bound
+    counts.record("score", 64, 8192, 8192, 8192 * 128)
+    decode_memory = (shape.weight_bytes + shape.kv_bytes_per_token * 64_000) / (3.35e12 * 0.8)
+    decode_compute = (shape.flops_per_position * 64 + shape.flops_per_pair * 64_000) / (
+        989e12 * 0.6
+    )
+    assert decode_memory > decode_compute
+    score_compute = (shape.flops_per_position * 8192 + shape.flops_per_pair * 8192 * 128) / (
+        989e12 * 0.6
+    )
+    expected = 10 * (2e-3 + decode_memory) + 2e-3 + score_compute
+    assert step_seconds(counts, shape, h100) == pytest.approx(expected)
+    # work recorded without forwards of its own (vLLM's prefills) costs its compute only
+    counts.record("prefill", 0, 1000, 1000, 500_500, forwards=0)
+    extra = (shape.flops_per_position * 1000 + shape.flops_per_pair * 500_500) / (989e12 * 0.6)
+    assert step_seconds(counts, shape, h100) == pytest.approx(expected + extra)
+
+
+def test_the_fit_recovers_a_machines_constants():
+    shape = ModelShape.named("qwen2.5-1.5b")
+    machine = Device("cpu", 2e11, float("inf"), 4e-3, 1.0, 1.0)
+    steps = []
+    for forwards, positions in [(50, 400), (80, 300), (20, 900), (65, 650)]:
+        counts = ForwardCounts()
+        counts.record("decode", positions, positions, 0, positions * 20, forwards=forwards)
+        steps.append((counts, step_seconds(counts, shape, machine)))
+    fitted = fit_device(steps, shape, "cpu")
+    assert fitted.overhead_s == pytest.approx(4e-3, rel=1e-6)
+    assert fitted.peak_flops == pytest.approx(2e11, rel=1e-6)
+
+
+def test_stretched_responses_scale_decoding_and_keep_prefills():
+    counts = ForwardCounts()
+    counts.record("prefill", 8, 100, 100, 5050)
+    counts.record("decode", 80, 90, 2000, 2100, draft_positions=10, forwards=10)
+    counts.record("score", 8, 50, 50, 1275)
+    long = stretched(counts, 20)
+    assert (long.prefill_positions, long.prefill_forwards) == (100, 1)
+    assert (long.decode_forwards, long.decode_positions, long.decode_draft_positions) == (
+        200, 1800, 200,
+    )  # fmt: skip
+    assert (long.decode_kv_reads, long.score_attended) == (2000 * 400, 1275 * 400)
+    assert (long.score_forwards, long.score_positions) == (1, 1000)
+
+
+def test_bench_checks_the_cost_model_and_project_prices_its_trace(
+    tiny_policy_dir, tmp_path, capsys
+):
+    from specrl.bench import run_bench
+
+    cfg = small_config(
+        tiny_policy_dir, tmp_path / "unused", "data.train_size=8", "trainer.total_training_steps=4",
+        "trainer.save_freq=0", "trainer.test_freq=0", "trainer.val_before_train=false",
+    )  # fmt: skip
+    out = tmp_path / "bench"
+    result = run_bench(cfg, out, ("vanilla", "trie"), log=lambda _: None)
+    check = result["cost_model_check"]
+    assert check["fitted_on"] == "vanilla" and set(check["arms"]) == {"vanilla", "trie"}
+    for arm in check["arms"].values():
+        assert arm["measured_s"] > 0 and math.isfinite(arm["residual"])
+    config = json.loads((tiny_policy_dir / "config.json").read_text())
+    assert result["model_shape"]["vocab"] == config["vocab_size"]
+    capsys.readouterr()
+    assert main(["project", str(out), "--model", "qwen2.5-7b", "--stretch", "1,20"]) == 0
+    printed = capsys.readouterr().out
+    assert "PROJECTION (not a measurement) for qwen2.5-7b" in printed
+    written = json.loads((out / "projection-nvidia-h100-sxm5-80gb-qwen2.5-7b.json").read_text())
+    one, twenty = written["projections"]
+    assert one["projection"] and (one["response_stretch"], twenty["response_stretch"]) == (1, 20)
+    for projection in (one, twenty):
+        arms = projection["arms"]
+        assert arms["vanilla"]["projected_rollout_speedup"] == 1.0
+        assert arms["trie"]["projected_rollout_s"] > 0
+    assert (
+        twenty["arms"]["vanilla"]["projected_rollout_s"]
+        > one["arms"]["vanilla"]["projected_rollout_s"]
+    )
+    assert main(["project", str(tmp_path)]) == 2  # not a bench: one line
+    assert "is not a finished bench" in capsys.readouterr().err
