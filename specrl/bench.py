@@ -31,11 +31,13 @@ from typing import Any
 import torch
 import transformers
 
+from specrl.actor.policy import eos_token_ids, load_policy
 from specrl.config import Config, ConfigError, validated
 from specrl.cost_model import ModelShape
+from specrl.engines.hf import HFEngine
 from specrl.errors import UserError
 from specrl.plots import plot_metrics
-from specrl.projection import machine_check, recorded_steps
+from specrl.projection import calibrate, machine_check, recorded_steps
 from specrl.run_dir import heldout_metric
 from specrl.speculative.stats import RolloutStats
 from specrl.threads import run_threads
@@ -117,7 +119,8 @@ def run_bench(
         for arm in arms:
             log(f"bench: training the {arm} arm (seed {seed}) into {seed_dir / arm}")
             trainer = Trainer(arm_config(cfg, arm, seed, seed_dir))
-            shape = shape or policy_shape(Path(trainer.model_dir))
+            model_dir = Path(trainer.model_dir)
+            shape = shape or policy_shape(model_dir)
             trainer.fit()
             runs[arm].append(trainer.tracker.history)
             plotted[arm if len(seeds) == 1 else f"{arm} seed {seed}"] = trainer.tracker.history
@@ -126,17 +129,14 @@ def run_bench(
     result["load_average"] = load
     result["warnings"] = timing_warnings(result, load, os.cpu_count() or 1)
     result["model_shape"] = asdict(shape)
-    if "vanilla" in arms:
-        steps = {arm: [s for h in runs[arm] for s in recorded_steps(h)] for arm in arms}
-        result["cost_model_check"] = check = machine_check(steps, shape)
+    if cfg.rollout.name == "hf":
+        result["cost_model_check"] = check = _check_cost_model(cfg, runs, shape, model_dir)
         for arm, c in check["arms"].items():
             log(
-                f"bench: cost model on this machine (fitted to vanilla): {arm} predicted "
-                f"{c['predicted_s']:.1f} s, measured {c['measured_s']:.1f} s "
-                f"({c['residual']:+.1%})"
+                f"bench: cost model on this machine: {arm} engine calls predicted "
+                f"{c['predicted_s']:.1f} s, measured {c['measured_s']:.1f} s ({c['residual']:+.1%}); "
+                f"host work {c['host_s']:.1f} s"
             )
-    for warning in result["warnings"]:
-        log(f"bench: warning: {warning}")
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "bench.json").write_text(json.dumps(result, indent=2))
     title = f"specrl bench: {', '.join(arms)} ({cfg.rollout.spec.acceptance} rule)"
@@ -171,6 +171,22 @@ def timing_warnings(result: dict[str, Any], load: dict[str, list[float]], cores:
                 "else; rerun alone"
             )
     return warnings
+
+
+def _check_cost_model(
+    cfg: Config, runs: dict[str, list[list[dict[str, float]]]], shape: ModelShape, model_dir: Path
+) -> dict[str, Any]:
+    """The cost model on this machine: constants from timed calls of a transformers engine on
+    the bench's policy (the arms' threads), every arm's rollout time predicted from its steps."""
+    policy, tokenizer = load_policy(model_dir, cfg.model.dtype)
+    engine = HFEngine(
+        policy.eval(), eos_token_ids(policy, tokenizer), tokenizer.pad_token_id,
+        cfg.rollout.max_batch_size,
+    )  # fmt: skip
+    steps = {
+        arm: [s for h in histories for s in recorded_steps(h)] for arm, histories in runs.items()
+    }
+    return machine_check(steps, shape, calibrate(engine, shape))
 
 
 def policy_shape(model_dir: Path) -> ModelShape:

@@ -224,11 +224,11 @@ def _project(bench_dir: str, device: str, model: str, stretch: str) -> int:
     result = project_bench(Path(bench_dir), target, shape, stretches)
     check = result["check"]
     if check:
-        print(f"cost model on {result['measured_on']} (fitted to the vanilla arm):")
+        print(f"cost model on {result['measured_on']}, engine calls (host work apart):")
         for arm, c in check["arms"].items():
             print(
                 f"  {arm:>10}: measured {c['measured_s']:8.1f} s, predicted "
-                f"{c['predicted_s']:8.1f} s ({c['residual']:+.1%})"
+                f"{c['predicted_s']:8.1f} s ({c['residual']:+.1%}); host {c['host_s']:.1f} s"
             )
     print(
         f"PROJECTION (not a measurement) for {shape.name} ({shape.params / 1e9:.2f}B parameters) "

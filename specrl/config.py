@@ -492,8 +492,8 @@ class TrainerConfig(Section):
     )
     num_threads: Literal["auto"] | Annotated[int, Field(ge=1)] = Field(
         "auto",
-        description="torch CPU threads; auto: the cores the machine's load leaves free when the "
-        "run first starts (OMP_NUM_THREADS wins where set), kept for the whole run and its "
+        description="torch CPU threads; auto: the cores other work leaves free when the run "
+        "first starts (OMP_NUM_THREADS wins where set), kept for the whole run and its "
         "resumes; a machine that gets busier prints a one-line hint to set 1 (2 threads beside "
         "a busy process ran 7x slower)",
     )

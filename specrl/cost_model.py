@@ -122,7 +122,8 @@ class ModelShape:
 class Device:
     """A device as the cost model sees it. `compute_efficiency` and `memory_efficiency` are the
     fractions of peak an inference engine reaches; `overhead_s` what a forward costs besides
-    (scheduling, sampling, launches)."""
+    (scheduling, launches). On a GPU compute and memory traffic overlap (a forward takes the
+    larger); on a CPU they add up (`overlap=False`)."""
 
     name: str
     peak_flops: float
@@ -131,6 +132,7 @@ class Device:
     compute_efficiency: float = 0.6
     memory_efficiency: float = 0.8
     source: str = ""
+    overlap: bool = True
 
     @classmethod
     def named(cls, spec: str) -> Device:
@@ -158,7 +160,7 @@ class Device:
     def forward_s(self, flops: float, memory_bytes: float) -> float:
         compute = flops / (self.peak_flops * self.compute_efficiency)
         memory = memory_bytes / (self.bandwidth * self.memory_efficiency)
-        return self.overhead_s + max(compute, memory)
+        return self.overhead_s + (max(compute, memory) if self.overlap else compute + memory)
 
 
 _OVERHEAD = (
@@ -215,24 +217,27 @@ def stretched(counts: ForwardCounts, factor: float) -> ForwardCounts:
 
 
 def fit_device(
-    steps: Iterable[tuple[ForwardCounts, float]], model: ModelShape, name: str
+    calls: Iterable[tuple[ForwardCounts, float]], model: ModelShape, name: str
 ) -> Device:
-    """This machine as a `Device`, from steps of a run (counts, measured rollout seconds):
-    least squares of seconds = overhead · forwards + FLOPs / throughput (memory not limiting:
-    a small model's weights sit in cache)."""
-    rows, seconds = [], []
-    for counts, measured in steps:
+    """This machine as a `Device`, from timed calls (counts, seconds) of varied sizes: least
+    squares of seconds = overhead · forwards + FLOPs / throughput + bytes / bandwidth, the
+    bytes those of the weights and of the KV entries read (a CPU: compute and memory add up)."""
+    features, seconds = [], []
+    for counts, measured in calls:
         forwards = sum(getattr(counts, f"{kind}_forwards") for kind in KINDS)
         flops = sum(
             model.flops_per_position * getattr(counts, f"{kind}_positions")
             + model.flops_per_pair * getattr(counts, f"{kind}_attended")
             for kind in KINDS
         )
-        rows.append([forwards, flops])
+        kv = sum(getattr(counts, f"{kind}_kv_reads") for kind in KINDS)
+        features.append(
+            [forwards, flops, model.weight_bytes * forwards + model.kv_bytes_per_token * kv]
+        )
         seconds.append(measured)
-    (overhead, per_flop), *_ = np.linalg.lstsq(np.array(rows, float), np.array(seconds), None)
-    overhead, per_flop = max(float(overhead), 0.0), max(float(per_flop), 1e-18)
+    (overhead, per_flop, per_byte), *_ = np.linalg.lstsq(np.array(features, float), seconds, None)
     return Device(
-        name, 1 / per_flop, float("inf"), overhead, 1.0, 1.0,
-        source="fitted to the measured steps of a run on this machine",
+        name, 1 / max(float(per_flop), 1e-18), 1 / max(float(per_byte), 1e-18),
+        max(float(overhead), 0.0), 1.0, 1.0,
+        source="fitted to timed calls of the engine on this machine", overlap=False,
     )  # fmt: skip

@@ -1,59 +1,116 @@
 """A bench's rollout stages priced by the cost model: checked on the machine that ran them, then
 projected to a named device and model shape (`specrl project`).
 
-The check: this machine's constants (overhead per forward, FLOP/s) are fitted to the vanilla
-arm's steps alone, then every arm's rollout time is predicted from its own recorded forwards
-and compared with what was measured. The projection prices the same forwards for another
-model on another device, optionally with the responses stretched.
+The check: this machine's constants (overhead per forward, cost per sequence, FLOP/s) are
+fitted to timed calls of the engine at varied sizes (`calibrate`: none of them a bench step),
+then every arm's time in engine calls is predicted from its own recorded forwards and compared
+with what was measured (the rest of a rollout stage is host work: walks, cuts, bookkeeping). The projection prices the same forwards for another model on another
+device, optionally with the responses stretched.
 """
 
 from __future__ import annotations
 
+import copy
 import json
+import time
+from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from specrl.cost_model import Device, ModelShape, fit_device, step_seconds, stretched
+from specrl.engines import GenRequest, LogprobRequest, SamplingParams, TrieRequest
 from specrl.engines.accounting import ForwardCounts
+from specrl.engines.hf import HFEngine
 from specrl.errors import UserError
 
 CHECK_TOLERANCE = 0.15  # the cost model must predict each arm's measured rollout time this well
 
-Steps = list[tuple[ForwardCounts, float]]  # a run's training steps: (counts, rollout seconds)
+# a run's training steps: (counts, seconds in engine calls, rollout seconds)
+Steps = list[tuple[ForwardCounts, float, float]]
 
 
 def recorded_steps(history: list[dict[str, float]]) -> Steps:
     """The training steps of a run's logged metrics that recorded their forwards."""
     return [
-        (ForwardCounts.from_metrics(m), m["timing_s/rollout"])
+        (ForwardCounts.from_metrics(m), m["perf/engine_s"], m["timing_s/rollout"])
         for m in history
-        if m["training/global_step"] > 0 and "perf/decode/forwards" in m
+        if m["training/global_step"] > 0 and "perf/engine_s" in m
     ]
 
 
-def machine_check(arms: dict[str, Steps], shape: ModelShape) -> dict[str, Any]:
-    """Fit this machine to the vanilla arm, predict every arm: → the fitted constants and, per
-    arm, measured and predicted rollout seconds and their relative residual."""
-    if not arms.get("vanilla"):
-        raise UserError("the cost model's check fits this machine to a vanilla arm: bench one")
-    device = fit_device(arms["vanilla"], shape, "this machine")
+def calibrate(engine: HFEngine, shape: ModelShape, seed: int = 0) -> Device:
+    """This machine as a `Device`: the engine's generate, scoring and trie calls at varied
+    batch sizes and lengths (decodes as long as a bench's: the KV cache grows), each timed and
+    counted, fitted by `fit_device`."""
+    rng = np.random.default_rng(seed)
+    vocab = shape.vocab
+
+    def ids(n: int) -> list[int]:
+        return rng.integers(2, vocab, n).tolist()
+
+    def trie(nodes: int) -> tuple[list[int], list[int]]:
+        parents = [0] + [
+            int(rng.integers(0, i)) if rng.random() < 0.2 else i for i in range(1, nodes)
+        ]
+        return parents, ids(nodes)
+
+    sampling = SamplingParams(1.0)
+    calls: list[Callable[[], object]] = []
+    # rows, context and length varied apart, so forwards, rows and FLOPs are told apart
+    for rows, prompt, new in (
+        (1, 12, 64),
+        (16, 12, 64),
+        (128, 12, 32),
+        (256, 12, 64),
+        (32, 96, 32),
+    ):
+        requests = [GenRequest(ids(prompt), new, sampling, seed=i) for i in range(rows)]
+        calls.append(lambda r=requests: engine.generate(r))
+    for rows, context, targets in ((4, 12, 24), (64, 12, 48), (256, 12, 24), (16, 96, 96)):
+        requests = [LogprobRequest(ids(context), ids(targets), sampling) for _ in range(rows)]
+        calls.append(lambda r=requests: engine.logprobs(r))
+    for rows, nodes in ((1, 64), (8, 128), (32, 128)):
+        requests = [TrieRequest(ids(12), *trie(nodes), sampling) for _ in range(rows)]
+        calls.append(lambda r=requests: engine.score_tries(r))
+    timed = []
+    for call in calls:  # each call's fastest of three: what the machine does undisturbed
+        seconds = []
+        for _ in range(3):
+            before, started = copy.copy(engine.counts), time.perf_counter()
+            call()
+            seconds.append(time.perf_counter() - started)
+        timed.append((engine.counts - before, min(seconds)))
+    return fit_device(timed, shape, "this machine")
+
+
+def machine_check(arms: dict[str, Steps], shape: ModelShape, device: Device) -> dict[str, Any]:
+    """Every arm's rollout time predicted from its recorded forwards on this machine's
+    `calibrate`d constants: → the constants and, per arm, measured and predicted rollout
+    seconds and their relative residual."""
     out: dict[str, Any] = {
-        "fitted_on": "vanilla",
+        "calibrated_on": "timed engine calls of varied sizes (no bench step)",
         "overhead_ms_per_forward": device.overhead_s * 1e3,
         "gflops_per_s": device.peak_flops / 1e9,
+        "gbytes_per_s": device.bandwidth / 1e9,
         "tolerance": CHECK_TOLERANCE,
         "arms": {},
     }
     for arm, steps in arms.items():
-        measured = sum(seconds for _, seconds in steps)
-        predicted = sum(step_seconds(counts, shape, device) for counts, _ in steps)
+        measured = sum(engine for _, engine, _ in steps)
+        predicted = sum(step_seconds(counts, shape, device) for counts, _, _ in steps)
         residual = predicted / measured - 1 if measured else 0.0
+        rollout = sum(seconds for _, _, seconds in steps)
         out["arms"][arm] = {
             "measured_s": measured,
             "predicted_s": predicted,
             "residual": residual,
             "within_tolerance": abs(residual) <= CHECK_TOLERANCE,
+            "host_s": rollout - measured,
+            "measured_rollout_s": rollout,
+            "predicted_rollout_s": predicted + rollout - measured,
         }
     return out
 
@@ -61,11 +118,15 @@ def machine_check(arms: dict[str, Steps], shape: ModelShape) -> dict[str, Any]:
 def project(
     arms: dict[str, Steps], shape: ModelShape, device: Device, stretch: float = 1.0
 ) -> dict[str, Any]:
-    """Projected rollout seconds per arm and speedup over vanilla, with the assumptions."""
-    seconds = {
-        arm: sum(step_seconds(stretched(c, stretch), shape, device) for c, _ in steps)
+    """Projected rollout seconds per arm and speedup over vanilla, with the assumptions: the
+    engine's forwards priced on `device`; the stage's host work (measured here, outside the
+    engine's calls) carried over as it is, stretched with the responses."""
+    engine = {
+        arm: sum(step_seconds(stretched(c, stretch), shape, device) for c, _, _ in steps)
         for arm, steps in arms.items()
     }
+    host = {arm: stretch * sum(r - e for _, e, r in steps) for arm, steps in arms.items()}
+    seconds = {arm: engine[arm] + host[arm] for arm in arms}
     vanilla = seconds.get("vanilla")
     return {
         "projection": True,
@@ -75,6 +136,8 @@ def project(
         "arms": {
             arm: {
                 "projected_rollout_s": s,
+                "projected_engine_s": engine[arm],
+                "host_s": host[arm],
                 "projected_rollout_speedup": vanilla / s if vanilla and s else None,
             }
             for arm, s in seconds.items()

@@ -2,7 +2,7 @@
 
 Alone on a 2-core machine two threads are the fastest; beside another busy process they wait on
 each other and a step runs several times slower than with one. `auto` therefore takes the cores
-the machine's load leaves free when a run first starts, and keeps that count for the whole run:
+other work leaves free when a run first starts, and keeps that count for the whole run:
 its checkpoints record it and a resumed run computes with it again, since the thread count
 changes the order of float reductions (a resumed run then computes as the uninterrupted one).
 """
@@ -10,14 +10,36 @@ changes the order of float reductions (a resumed run then computes as the uninte
 from __future__ import annotations
 
 import os
+import time
 
 import torch
 
+SAMPLE_S = 0.5
 
-def free_cores() -> int:
-    """The cores the machine's 1-minute load average leaves free; at least 1."""
+
+def busy_cores() -> float:
+    """Cores busy right now: the machine's CPU time over `SAMPLE_S` (Linux /proc/stat; the
+    1-minute load average elsewhere, which still counts work that has just ended)."""
+    try:
+        first = _cpu_times()
+        time.sleep(SAMPLE_S)
+        second = _cpu_times()
+    except OSError:
+        return os.getloadavg()[0]
+    total = sum(second) - sum(first)
+    idle = (second[3] + second[4]) - (first[3] + first[4])  # idle and iowait
+    return (os.cpu_count() or 1) * (1 - idle / total) if total > 0 else 0.0
+
+
+def _cpu_times() -> list[int]:
+    with open("/proc/stat") as stat:
+        return [int(x) for x in stat.readline().split()[1:]]
+
+
+def free_cores(busy: float) -> int:
+    """The cores `busy` leaves free; at least 1."""
     cores = os.cpu_count() or 1
-    return max(1, min(cores, cores - round(os.getloadavg()[0])))
+    return max(1, min(cores, cores - round(busy)))
 
 
 def run_threads(setting: int | str, recorded: int | None) -> tuple[int, str | None]:
@@ -30,10 +52,11 @@ def run_threads(setting: int | str, recorded: int | None) -> tuple[int, str | No
         return recorded, None
     if "OMP_NUM_THREADS" in os.environ:
         return torch.get_num_threads(), None
-    threads, cores = free_cores(), os.cpu_count() or 1
+    busy = busy_cores()
+    threads, cores = free_cores(busy), os.cpu_count() or 1
     if threads == cores:
         return threads, None
     return threads, (
-        f"torch threads: {threads} of {cores} cores (trainer.num_threads=auto: the machine's "
-        f"load average is {os.getloadavg()[0]:.1f}; kept for the whole run)"
+        f"torch threads: {threads} of {cores} cores (trainer.num_threads=auto: other work keeps "
+        f"{busy:.1f} cores busy; kept for the whole run)"
     )

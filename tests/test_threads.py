@@ -7,6 +7,7 @@ import os
 import pytest
 import torch
 
+import specrl.threads
 from specrl.checkpoint import STATE_FILE
 from specrl.threads import run_threads
 from specrl.trainer import Trainer
@@ -15,11 +16,11 @@ from tests.conftest import small_config
 
 @pytest.fixture
 def machine(monkeypatch):
-    """A 4-core machine whose 1-minute load average the test sets; torch's threads restored."""
+    """A 4-core machine whose busy cores the test sets; torch's threads restored."""
     threads = torch.get_num_threads()
     load = [0.0]
     monkeypatch.setattr(os, "cpu_count", lambda: 4)
-    monkeypatch.setattr(os, "getloadavg", lambda: (load[0], 0.0, 0.0))
+    monkeypatch.setattr(specrl.threads, "busy_cores", lambda: load[0])
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     yield load
     torch.set_num_threads(threads)
@@ -32,7 +33,13 @@ def test_auto_takes_the_cores_the_load_leaves_free(machine, load, threads):
     assert count == threads
     assert (line is None) == (threads == 4)
     if line:
-        assert line.startswith(f"torch threads: {threads} of 4 cores") and f"{load:.1f}" in line
+        assert (
+            line.startswith(f"torch threads: {threads} of 4 cores") and f"{load:.1f} cores" in line
+        )
+
+
+def test_busy_cores_are_read_from_the_machine():
+    assert 0.0 <= specrl.threads.busy_cores() <= os.cpu_count()
 
 
 def test_an_explicit_count_a_recorded_one_and_omp_num_threads_win(machine, monkeypatch):

@@ -288,7 +288,8 @@ class SpeculativeStage:
         requests = {i: r for i, s in enumerate(slots) if (r := self._continuation(s)) is not None}
         drafting = self._drafting(slots, requests, stats)
         gen_start = time.perf_counter()
-        results = dict(zip(requests, self._generate(requests, drafting, prefixes), strict=True))
+        generated = self._generate(requests, drafting, prefixes, stats)
+        results = dict(zip(requests, generated, strict=True))
         stats.gen_s += time.perf_counter() - gen_start
         if self.in_decoding:
             self._cut_in_decoding(slots, results)
@@ -389,9 +390,8 @@ class SpeculativeStage:
                 )
                 for i, target in active
             ]
-            for (i, _), logprobs in zip(
-                active, self.engine.logprobs(requests, prefixes), strict=True
-            ):
+            chunk_scores = self._timed(stats, self.engine.logprobs, requests, prefixes)
+            for (i, _), logprobs in zip(active, chunk_scores, strict=True):
                 old = slots[i].draft.current_logprobs[offset : offset + len(logprobs)]
                 stats.logprob_drift_sum += float(np.abs(logprobs.numpy() - old).sum())
                 scored.setdefault(i, []).extend(logprobs.tolist())
@@ -432,7 +432,7 @@ class SpeculativeStage:
                 requests.append(
                     TrieRequest(prompt.ids, tree.parent[1:], tree.token[1:], self.sampling)
                 )
-        scores = self.engine.score_tries(requests, prefixes)
+        scores = self._timed(stats, self.engine.score_tries, requests, prefixes)
         stats.trie_prompts += len(requests)
         stats.trie_nodes += sum(len(r.tokens) for r in requests)
         stats.verified_tokens += sum(len(r.tokens) for r in requests)
@@ -488,10 +488,22 @@ class SpeculativeStage:
         requests: dict[int, GenRequest],
         drafting: Drafting | None,
         prefixes: Prefixes | None,
+        stats: RolloutStats,
     ) -> list[GenResult]:
         if drafting is None:
-            return self.engine.generate(list(requests.values()), prefixes)
-        return self.engine.generate_with_drafts(list(requests.values()), drafting, prefixes)
+            return self._timed(stats, self.engine.generate, list(requests.values()), prefixes)
+        return self._timed(
+            stats, self.engine.generate_with_drafts, list(requests.values()), drafting, prefixes
+        )
+
+    @staticmethod
+    def _timed(stats: RolloutStats, call, *args):
+        """`call(*args)`, its seconds counted as the engine's (`perf/engine_s`: the rest of the
+        stage's time is host work, the walk, cuts and bookkeeping, that no forward pays)."""
+        started = time.perf_counter()
+        out = call(*args)
+        stats.engine_s += time.perf_counter() - started
+        return out
 
     def _drafting(
         self, slots: list[_Slot], requests: dict[int, GenRequest], stats: RolloutStats
@@ -589,7 +601,7 @@ class SpeculativeStage:
             )
             for i in unscored
         ]
-        extra = self.engine.logprobs(requests) if requests else []
+        extra = self._timed(stats, self.engine.logprobs, requests) if requests else []
         mismatch.update({i: float(lp[0]) for i, lp in zip(unscored, extra, strict=True)})
         # α of the draft tokens each response follows, then of the one where it leaves its draft,
         # for all rollouts at once (flat)

@@ -46,6 +46,7 @@ class RolloutStats:
     verify_s: float = 0.0
     gen_s: float = 0.0
     rollout_s: float = 0.0
+    engine_s: float = 0.0  # of rollout_s, inside the engine's calls
     migrated_prompts: int = 0  # rollout workers: prompts (with their state) moved to another
     worker_restarts: int = 0
     worker_busy_max_s: float = 0.0  # Σ over calls of the busiest worker's rollout seconds
@@ -90,6 +91,7 @@ class RolloutStats:
         out.verify_s = max((s.verify_s for s in stats), default=0.0)
         out.slowest_forwards = max((s.slowest_forwards for s in stats), default=0)
         out.gen_s = max((s.gen_s for s in stats), default=0.0)
+        out.engine_s = max((s.engine_s for s in stats), default=0.0)
         out.rollout_s = wall_s
         out.compute = functools.reduce(
             ForwardCounts.side_by_side, (s.compute for s in stats), ForwardCounts()
@@ -213,6 +215,7 @@ METRIC_NAMES = {
     "verify_s": "timing_s/verify",
     "gen_s": "timing_s/gen",
     "rollout_s": "timing_s/rollout",
+    "engine_s": "perf/engine_s",
     "migrated_prompts": "rollout/migrated_prompts",
     "worker_restarts": "rollout/worker_restarts",
     "worker_busy_max_s": "rollout/worker_busy_max_s",
