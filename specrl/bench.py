@@ -260,6 +260,8 @@ def summarize(
             "verify_cost_per_reused_token": r_eff,
             "limit_speedup": 1.0 / ((1.0 - a) + r_eff * a),
             "slowest_slot_forwards_per_step": total.slowest_forwards / per_step,
+            "engine_time_s": total.engine_s,
+            "perf": total.compute.metrics(),  # the engine's forwards, summed over the steps
         }
         if "spec" in totals and arm != "spec":
             summary["rollout_speedup_vs_spec"] = totals["spec"].rollout_s / total.rollout_s

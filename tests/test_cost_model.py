@@ -18,7 +18,7 @@ from specrl.cost_model import (
 )
 from specrl.engines.accounting import ForwardCounts
 from specrl.errors import UserError
-from tests.conftest import small_config
+from tests.conftest import read_metrics, small_config
 
 
 def test_shapes_have_their_published_parameter_counts():
@@ -111,9 +111,14 @@ def test_bench_checks_the_cost_model_and_project_prices_its_trace(
     result = run_bench(cfg, out, ("vanilla", "trie"), log=lambda _: None)
     check = result["cost_model_check"]
     assert check["gflops_per_s"] > 0 and set(check["arms"]) == {"vanilla", "trie"}
-    for arm in check["arms"].values():  # engine calls and host work make up the rollout time
+    for name, arm in check["arms"].items():  # engine calls and host work: the rollout time
         assert arm["measured_s"] > 0 and math.isfinite(arm["residual"])
         assert arm["measured_s"] + arm["host_s"] == pytest.approx(arm["measured_rollout_s"])
+        assert arm["measured_s"] == pytest.approx(result["arms"][name]["engine_time_s"])
+    steps = [m for m in read_metrics(out / "trie") if m["training/global_step"] > 0]
+    perf = result["arms"]["trie"]["perf"]  # bench.json: each arm's forwards summed
+    assert perf["perf/score/forwards"] == sum(m["perf/score/forwards"] for m in steps) > 0
+    assert result["arms"]["vanilla"]["perf"]["perf/score/forwards"] == 0
     config = json.loads((tiny_policy_dir / "config.json").read_text())
     assert result["model_shape"]["vocab"] == config["vocab_size"]
     capsys.readouterr()
