@@ -35,9 +35,9 @@ Steps = list[tuple[ForwardCounts, float, float]]
 def recorded_steps(history: list[dict[str, float]]) -> Steps:
     """The training steps of a run's logged metrics that recorded their forwards."""
     return [
-        (ForwardCounts.from_metrics(m), m["perf/engine_s"], m["timing_s/rollout"])
+        (ForwardCounts.from_metrics(m), m["timing_s/engine"], m["timing_s/rollout"])
         for m in history
-        if m["training/global_step"] > 0 and "perf/engine_s" in m
+        if m["training/global_step"] > 0 and "timing_s/engine" in m
     ]
 
 

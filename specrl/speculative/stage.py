@@ -498,7 +498,7 @@ class SpeculativeStage:
 
     @staticmethod
     def _timed(stats: RolloutStats, call, *args):
-        """`call(*args)`, its seconds counted as the engine's (`perf/engine_s`: the rest of the
+        """`call(*args)`, its seconds counted as the engine's (`timing_s/engine`: the rest of the
         stage's time is host work, the walk, cuts and bookkeeping, that no forward pays)."""
         started = time.perf_counter()
         out = call(*args)

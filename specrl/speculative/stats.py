@@ -215,7 +215,7 @@ METRIC_NAMES = {
     "verify_s": "timing_s/verify",
     "gen_s": "timing_s/gen",
     "rollout_s": "timing_s/rollout",
-    "engine_s": "perf/engine_s",
+    "engine_s": "timing_s/engine",
     "migrated_prompts": "rollout/migrated_prompts",
     "worker_restarts": "rollout/worker_restarts",
     "worker_busy_max_s": "rollout/worker_busy_max_s",
