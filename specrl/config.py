@@ -11,7 +11,7 @@ from __future__ import annotations
 import difflib
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Any, Literal
 
 import yaml
 from pydantic import (
@@ -490,7 +490,7 @@ class TrainerConfig(Section):
         ge=1,
         description="stop, after saving, when this many steps in a row had non-finite losses",
     )
-    num_threads: Literal["auto"] | Annotated[int, Field(ge=1)] = Field(
+    num_threads: Literal["auto"] | int = Field(
         "auto",
         description="torch CPU threads; auto: the cores other work leaves free when the run "
         "first starts (OMP_NUM_THREADS wins where set), kept for the whole run and its "
@@ -509,6 +509,17 @@ class TrainerConfig(Section):
     logger: list[Literal["console", "jsonl", "tensorboard", "wandb"]] = Field(
         ["console", "jsonl"], description="where metrics go (one name or a list)"
     )
+
+    @field_validator("num_threads", mode="before")
+    @classmethod
+    def _auto_or_a_count(cls, value: Any) -> Any:
+        if value == "auto" or (
+            isinstance(value, int | str) and str(value).isdigit() and int(value) >= 1
+        ):
+            return value
+        raise ValueError(
+            f"trainer.num_threads={value}: give auto or a number of threads (1 or more)"
+        )
 
     @field_validator("logger", mode="before")
     @classmethod

@@ -64,3 +64,15 @@ def test_a_resumed_run_computes_with_the_threads_it_started_with(
     torch.set_num_threads(2)
     Trainer(small_config(tiny_policy_dir, tmp_path)).fit()
     assert torch.get_num_threads() == 1
+
+
+@pytest.mark.parametrize("value", ["0", "-1", "two"])
+def test_a_bad_thread_count_is_one_line_naming_the_key(value, capsys):
+    from specrl.cli import main
+
+    assert main(["config", f"trainer.num_threads={value}"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [
+        f"specrl: error: invalid config: trainer.num_threads={value}: give auto or a number of "
+        "threads (1 or more)"
+    ]
