@@ -15,6 +15,7 @@ import time
 import torch
 
 SAMPLE_S = 0.5
+TORCH_DEFAULT = torch.get_num_threads()  # torch's own choice: the physical cores
 
 
 def busy_cores() -> float:
@@ -37,9 +38,10 @@ def _cpu_times() -> list[int]:
 
 
 def free_cores(busy: float) -> int:
-    """The cores `busy` leaves free; at least 1."""
+    """The cores `busy` leaves free (at least 1), no more than torch would take by itself
+    (`os.cpu_count` counts hyperthreads)."""
     cores = os.cpu_count() or 1
-    return max(1, min(cores, cores - round(busy)))
+    return max(1, min(TORCH_DEFAULT, cores - round(busy)))
 
 
 def run_threads(setting: int | str, recorded: int | None) -> tuple[int, str | None]:
@@ -53,10 +55,10 @@ def run_threads(setting: int | str, recorded: int | None) -> tuple[int, str | No
     if "OMP_NUM_THREADS" in os.environ:
         return torch.get_num_threads(), None
     busy = busy_cores()
-    threads, cores = free_cores(busy), os.cpu_count() or 1
-    if threads == cores:
+    threads = free_cores(busy)
+    if threads == TORCH_DEFAULT:
         return threads, None
     return threads, (
-        f"torch threads: {threads} of {cores} cores (trainer.num_threads=auto: other work keeps "
-        f"{busy:.1f} cores busy; kept for the whole run)"
+        f"torch threads: {threads} of {TORCH_DEFAULT} (trainer.num_threads=auto: other work keeps "
+        f"{busy:.1f} of {os.cpu_count()} cores busy; kept for the whole run)"
     )

@@ -20,6 +20,7 @@ def machine(monkeypatch):
     threads = torch.get_num_threads()
     load = [0.0]
     monkeypatch.setattr(os, "cpu_count", lambda: 4)
+    monkeypatch.setattr(specrl.threads, "TORCH_DEFAULT", 4)
     monkeypatch.setattr(specrl.threads, "busy_cores", lambda: load[0])
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     yield load
@@ -34,12 +35,17 @@ def test_auto_takes_the_cores_the_load_leaves_free(machine, load, threads):
     assert (line is None) == (threads == 4)
     if line:
         assert (
-            line.startswith(f"torch threads: {threads} of 4 cores") and f"{load:.1f} cores" in line
+            line.startswith(f"torch threads: {threads} of 4 (") and f"{load:.1f} of 4 cores" in line
         )
 
 
 def test_busy_cores_are_read_from_the_machine():
     assert 0.0 <= specrl.threads.busy_cores() <= os.cpu_count()
+
+
+def test_auto_never_takes_more_than_torch_would(machine, monkeypatch):
+    monkeypatch.setattr(specrl.threads, "TORCH_DEFAULT", 2)  # 4 hyperthreads on 2 cores
+    assert run_threads("auto", None) == (2, None)
 
 
 def test_an_explicit_count_a_recorded_one_and_omp_num_threads_win(machine, monkeypatch):
@@ -57,7 +63,7 @@ def test_a_resumed_run_computes_with_the_threads_it_started_with(
     machine[0] = 2.6  # busy at the first start: 1 thread
     first = ["trainer.total_training_steps=1", "trainer.logger=[console,jsonl]"]
     Trainer(small_config(tiny_policy_dir, tmp_path, *first)).fit()
-    assert "torch threads: 1 of 4 cores" in capsys.readouterr().err
+    assert "torch threads: 1 of 4" in capsys.readouterr().err
     state = torch.load(tmp_path / "checkpoints" / "global_step_1" / STATE_FILE, weights_only=False)
     assert state["torch_threads"] == 1
     machine[0] = 0.0  # idle at the resume: still 1
