@@ -228,6 +228,12 @@ def test_bench_and_speculative_training_run_on_vllm(tiny_policy_dir, tmp_path):
     assert result["decoded_tokens"]["spec"] < result["decoded_tokens"]["vanilla"]
     assert result["arms"]["trie"]["reused_token_ratio"] > 0
     assert result["arms"]["trie"]["trie_nodes_per_step"] > 0
+    for arm in ("vanilla", "spec", "trie"):  # vLLM's forwards counted (engine steps, requests)
+        perf, decoded = result["arms"][arm]["perf"], result["arms"][arm]["decoded_tokens"]
+        assert perf["perf/decode/forwards"] > 0 and perf["perf/prefill/positions"] > 0
+        assert perf["perf/decode/positions"] >= decoded > 0
+        assert (perf["perf/score/forwards"] > 0) == (arm != "vanilla")  # verification, tries
+        assert 0 < result["arms"][arm]["engine_time_s"] <= result["arms"][arm]["rollout_time_s"]
     for arm in ("vanilla", "spec", "trie"):
         steps = [m for m in read_metrics(out / arm) if m["training/global_step"]]
         assert len(steps) == 4
