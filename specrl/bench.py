@@ -128,6 +128,8 @@ def run_bench(
     result = summarize(runs, cfg, seeds)
     result["load_average"] = load
     result["warnings"] = timing_warnings(result, load, os.cpu_count() or 1)
+    for warning in result["warnings"]:
+        log(f"bench: warning: {warning}")
     result["model_shape"] = asdict(shape)
     if cfg.rollout.name == "hf":
         result["cost_model_check"] = check = _check_cost_model(cfg, runs, shape, model_dir)
@@ -177,7 +179,8 @@ def _check_cost_model(
     cfg: Config, runs: dict[str, list[list[dict[str, float]]]], shape: ModelShape, model_dir: Path
 ) -> dict[str, Any]:
     """The cost model on this machine: constants from timed calls of a transformers engine on
-    the bench's policy (the arms' threads), every arm's rollout time predicted from its steps."""
+    the bench's policy (the arms' threads), every arm's time in engine calls predicted from its
+    steps."""
     policy, tokenizer = load_policy(model_dir, cfg.model.dtype)
     engine = HFEngine(
         policy.eval(), eos_token_ids(policy, tokenizer), tokenizer.pad_token_id,

@@ -1,11 +1,12 @@
 """A bench's rollout stages priced by the cost model: checked on the machine that ran them, then
 projected to a named device and model shape (`specrl project`).
 
-The check: this machine's constants (overhead per forward, cost per sequence, FLOP/s) are
-fitted to timed calls of the engine at varied sizes (`calibrate`: none of them a bench step),
-then every arm's time in engine calls is predicted from its own recorded forwards and compared
-with what was measured (the rest of a rollout stage is host work: walks, cuts, bookkeeping). The projection prices the same forwards for another model on another
-device, optionally with the responses stretched.
+The check: this machine's constants (overhead per forward, FLOP/s, bytes/s) are fitted to timed
+calls of the engine at varied sizes (`calibrate`: none of them a bench step), then every arm's
+time in engine calls is predicted from its own recorded forwards and compared with what was
+measured (the rest of a rollout stage is host work: walks, cuts, bookkeeping). The projection
+prices the same forwards for another model on another device, optionally with the responses
+stretched.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from specrl.engines.accounting import ForwardCounts
 from specrl.engines.hf import HFEngine
 from specrl.errors import UserError
 
-CHECK_TOLERANCE = 0.15  # the cost model must predict each arm's measured rollout time this well
+CHECK_TOLERANCE = 0.15  # the cost model must predict each arm's engine time this well
 
 # a run's training steps: (counts, seconds in engine calls, rollout seconds)
 Steps = list[tuple[ForwardCounts, float, float]]
@@ -59,7 +60,7 @@ def calibrate(engine: HFEngine, shape: ModelShape, seed: int = 0) -> Device:
 
     sampling = SamplingParams(1.0)
     calls: list[Callable[[], object]] = []
-    # rows, context and length varied apart, so forwards, rows and FLOPs are told apart
+    # batch, context and length varied apart, so forwards, FLOPs and bytes are told apart
     for rows, prompt, new in (
         (1, 12, 64),
         (16, 12, 64),
@@ -87,9 +88,9 @@ def calibrate(engine: HFEngine, shape: ModelShape, seed: int = 0) -> Device:
 
 
 def machine_check(arms: dict[str, Steps], shape: ModelShape, device: Device) -> dict[str, Any]:
-    """Every arm's rollout time predicted from its recorded forwards on this machine's
-    `calibrate`d constants: → the constants and, per arm, measured and predicted rollout
-    seconds and their relative residual."""
+    """Every arm's time in engine calls predicted from its recorded forwards on this machine's
+    `calibrate`d constants: → the constants and, per arm, measured and predicted engine seconds,
+    their relative residual, and the host work that completes the rollout time."""
     out: dict[str, Any] = {
         "calibrated_on": "timed engine calls of varied sizes (no bench step)",
         "overhead_ms_per_forward": device.overhead_s * 1e3,

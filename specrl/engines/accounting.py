@@ -108,6 +108,7 @@ def metric_name(field_name: str) -> str:
     return f"perf/{kind}/{quantity}"
 
 
-def causal_attended(positions: int, past: int) -> int:
-    """Query-key pairs of `positions` new tokens after `past` cached ones, causally."""
+def causal_attended(positions, past):
+    """Query-key pairs of `positions` new tokens after `past` cached ones, causally (ints, or
+    tensors of them row by row)."""
     return positions * past + positions * (positions + 1) // 2

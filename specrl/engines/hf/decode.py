@@ -18,7 +18,7 @@ from dataclasses import dataclass, replace
 import torch
 from transformers import DynamicCache
 
-from specrl.engines.accounting import ForwardCounts
+from specrl.engines.accounting import ForwardCounts, causal_attended
 from specrl.engines.hf.kv_cache import DecodeCache, drop_padding, layers_kv, merge
 from specrl.engines.hf.prefix_cache import Hit, PrefixCache
 from specrl.engines.protocol import Drafter, GenRequest, GenResult
@@ -153,8 +153,7 @@ class Decoder:
         """One decode forward: each row's fed token and its drafts (`proposed` [B]) after the
         context it attends to (`attention` [B, W], the fed columns last)."""
         fed = proposed + 1
-        past = attention.sum(1) - fed
-        pairs = fed * past + fed * (fed + 1) // 2
+        pairs = causal_attended(fed, attention.sum(1) - fed)
         self.counts.record(
             "decode",
             len(fed),
@@ -342,7 +341,7 @@ def prefill_counts(attention: torch.Tensor) -> tuple[int, int, int, int]:
     """(rows, positions, KV reads, query-key pairs) of a forward over left-padded sequences
     with nothing cached (`attention` [B, T], 1 on real tokens), causal."""
     real = attention.sum(1)
-    return len(real), int(real.sum()), int(real.sum()), int((real * (real + 1) // 2).sum())
+    return len(real), int(real.sum()), int(real.sum()), int(causal_attended(real, 0).sum())
 
 
 def left_pad(

@@ -379,8 +379,8 @@ class VLLMEngine:
         may have spared part of it), then one position per new token, each reading the context
         so far (a scoring request's one new token included)."""
         self.counts.record("prefill", 0, context, context, causal_attended(context, 0), forwards=0)
-        reads = new * context + new * (new - 1) // 2
-        self.counts.record(kind, 0, new, reads, reads + new, forwards=0)
+        attended = causal_attended(new, context)  # one position per forward: pairs = KV read
+        self.counts.record(kind, 0, new, attended, attended, forwards=0)
 
     # ---------------------------------------------------------------- logprobs
     def logprobs(
