@@ -1,6 +1,7 @@
 """Checkpoints: everything a resume needs, written atomically.
 
-Layout: RUN_DIR/checkpoints/global_step_{s}/ with the policy and tokenizer (save_pretrained) and
+Layout: RUN_DIR/checkpoints/global_step_{s}/ with the policy and tokenizer (save_pretrained; a
+LoRA policy: its adapters in peft's format and base_model.json, the base's path and hash) and
 trainer_state.pt: the step, the RNG states and the `state_dict()` of every object handed in by
 name (the trainer hands its actor: optimizer and schedule; its loader: the position in the data;
 its speculative stage: drafts, token trees and draft-width statistics). Each object knows its own
@@ -26,6 +27,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from specrl.config import flatten
 from specrl.errors import UserError, first_line
+from specrl.lora import save_base_identity
 
 STATE_FILE = "trainer_state.pt"
 _STEP_DIR = re.compile(r"global_step_(\d+)")
@@ -48,8 +50,10 @@ def save_checkpoint(
     tokenizer: PreTrainedTokenizerBase,
     parts: Mapping[str, Stateful],
     keep: int | None = None,
+    base_model: dict[str, str] | None = None,
 ) -> Path:
-    """Write checkpoint `step` of the run (then keep only the newest `keep`): → its directory."""
+    """Write checkpoint `step` of the run (then keep only the newest `keep`): → its directory.
+    A LoRA policy saves its adapters alone, with `base_model` (its base's path and hash)."""
     root = run_dir / "checkpoints"
     final = root / f"global_step_{step}"
     staging = final.with_name(final.name + ".tmp")
@@ -57,6 +61,8 @@ def save_checkpoint(
     staging.mkdir(parents=True)
     policy.save_pretrained(staging)
     tokenizer.save_pretrained(staging)
+    if base_model is not None:
+        save_base_identity(staging, base_model)
     state = {
         "global_step": step,
         "rng": {
@@ -101,7 +107,8 @@ def resolve_resume(resume_mode: str, run_dir: Path) -> Path | None:
 # into, the weights it continues from, and which parts its checkpoint holds (a critic or not)
 FIXED_ON_RESUME = (
     "model.path", "data.task", "data.train_files", "data.train_size", "data.train_batch_size",
-    "data.shuffle", "trainer.seed", "algorithm.adv_estimator",
+    "data.shuffle", "trainer.seed", "algorithm.adv_estimator", "actor.lora.rank",
+    "actor.lora.target_modules", "critic.lora.rank", "critic.lora.target_modules",
 )  # fmt: skip
 # what extending or moving a run changes as a matter of course: not reported
 FREE_ON_RESUME = ("trainer.total_training_steps", "trainer.total_epochs", "trainer.resume_mode")

@@ -1,4 +1,4 @@
-"""`specrl train | bench | config | report | toy-policy | model | data`: argument parsing and
+"""`specrl train | bench | project | config | report | export | toy-policy | model | data`: argument parsing and
 clear one-line errors."""
 
 from __future__ import annotations
@@ -29,6 +29,8 @@ def main(argv: list[str] | None = None) -> int:
             return _report(args.run_dir)
         if args.command == "project":
             return _project(args.bench_dir, args.device, args.model, args.stretch)
+        if args.command == "export":
+            return _export(args.checkpoint, args.out, args.base)
         if args.command == "model":
             return _model(args.name, args.force)
         if args.command == "data":
@@ -125,6 +127,16 @@ def build_parser() -> argparse.ArgumentParser:
         "report", help="plot a run's metrics (RUN_DIR/report.png) and print a summary"
     )
     report.add_argument("run_dir", help="the run's trainer.output_dir")
+    export = commands.add_parser(
+        "export",
+        help="write a checkpoint's policy as a Hugging Face model directory (a LoRA checkpoint: "
+        "its adapters merged into its base model)",
+    )
+    export.add_argument("checkpoint", help="RUN_DIR/checkpoints/global_step_N")
+    export.add_argument("out", help="a new directory for the model")
+    export.add_argument(
+        "--base", help="the LoRA checkpoint's base model directory, if it has moved"
+    )
     toy = commands.add_parser(
         "toy-policy",
         help="print the path of a built-in task's tiny policy (shipped with specrl for the "
@@ -244,6 +256,15 @@ def _project(bench_dir: str, device: str, model: str, stretch: str) -> int:
             )
     for limit in result["cannot_know"]:
         print(f"  it cannot know: {limit}")
+    return 0
+
+
+def _export(checkpoint: str, out: str, base: str | None) -> int:
+    from pathlib import Path
+
+    from specrl.export import export_checkpoint
+
+    print(export_checkpoint(Path(checkpoint), Path(out), base, log=_note))
     return 0
 
 

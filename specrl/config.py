@@ -288,6 +288,23 @@ class PolicyLossConfig(Section):
     )
 
 
+class LoraConfig(Section):
+    rank: int = Field(
+        0,
+        ge=0,
+        description="LoRA rank r (verl: lora_rank); 0 trains every weight. r > 0 trains adapters "
+        "only (peft), the KL reference is the base model with adapters disabled, weight syncs "
+        "and checkpoints carry the adapters",
+    )
+    alpha: float = Field(16.0, gt=0.0, description="LoRA alpha (verl: lora_alpha): scale alpha / r")
+    dropout: float = Field(0.0, ge=0.0, lt=1.0, description="dropout on the adapters' input")
+    target_modules: str | list[str] = Field(
+        "all-linear",
+        description="modules that get adapters: all-linear (every linear layer but the output "
+        "head) or a list of module names (e.g. [q_proj, v_proj])",
+    )
+
+
 class ActorConfig(Section):
     ppo_mini_batch_size: int = Field(16, ge=1, description="prompts per optimizer step")
     ppo_micro_batch_size: int = Field(64, ge=1, description="sequences per forward/backward")
@@ -329,6 +346,9 @@ class ActorConfig(Section):
         "none",
         description="bfloat16 autocast of the actor's and critic's forward passes (for GPUs)",
     )
+    lora: LoraConfig = Field(
+        default_factory=LoraConfig, description="LoRA adapters for the policy (rank 0: off)"
+    )
 
 
 class CriticModelConfig(Section):
@@ -355,6 +375,11 @@ class CriticConfig(Section):
     ppo_mini_batch_size: int = Field(16, ge=1, description="prompts per optimizer step")
     ppo_micro_batch_size: int = Field(64, ge=1, description="sequences per forward/backward")
     grad_clip: float = Field(1.0, gt=0.0, description="max global gradient norm")
+    lora: LoraConfig = Field(
+        default_factory=LoraConfig,
+        description="LoRA adapters for the value model's body (rank 0: off); its value head is "
+        "trained fully",
+    )
 
 
 class FilterGroupsConfig(Section):
@@ -707,6 +732,12 @@ class Config(Section):
 
 # verl's spellings of our keys: dotted prefix → ours
 VERL_ALIASES = {
+    "actor_rollout_ref.model.lora_rank": "actor.lora.rank",
+    "actor_rollout_ref.model.lora_alpha": "actor.lora.alpha",
+    "actor_rollout_ref.model.target_modules": "actor.lora.target_modules",
+    "critic.model.lora_rank": "critic.lora.rank",
+    "critic.model.lora_alpha": "critic.lora.alpha",
+    "critic.model.target_modules": "critic.lora.target_modules",
     "actor_rollout_ref.rollout.": "rollout.",
     "actor_rollout_ref.actor.": "actor.",
     "actor_rollout_ref.model.": "model.",

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import time
+import warnings
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
@@ -40,11 +41,13 @@ LIVE_METRICS = {  # val_reward only where the reward states no accuracy
 
 def quiet_libraries() -> None:
     """specrl's progress and messages are the ones that matter: transformers' per-load progress
-    bars and notices are noise in a run's log (every Ray worker would print its own)."""
+    bars and notices are noise in a run's log (every Ray worker would print its own), as is
+    peft's use of a transformers name that transformers has deprecated."""
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()
     hf_logging.set_verbosity_error()
+    warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated")
 
 
 def make_console(stderr: bool = False) -> Console:

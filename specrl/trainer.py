@@ -35,6 +35,7 @@ from specrl.episodes.env import load_environment
 from specrl.episodes.runner import EpisodeLoop, EpisodeStage
 from specrl.errors import UserError
 from specrl.evaluation import evaluate
+from specrl.lora import base_identity, check_base, rollout_weights
 from specrl.metrics import data_metrics, logprob_mismatch, timed
 from specrl.models import resolve_model_path
 from specrl.rewards import RewardFunctionError, Scores, load_reward_functions, score_rollouts
@@ -94,7 +95,12 @@ class Trainer:
             if cfg.model.path
             else ensure_toy_policy(ToyPolicySpec(task=cfg.data.task), log=log)
         )
+        lora = cfg.actor.lora.rank > 0
+        self.base_model = base_identity(initial) if lora else None
+        if lora and self.resume_from:  # the adapters fit only the base they were trained on
+            check_base(self.resume_from, self.base_model)
         self.model_dir = model_dir = self.resume_from or initial
+        engine_dir = initial if lora else model_dir  # engines load the base; adapters follow
         self.actor: Actor | LearnerGroup
         if cfg.learner_ranks > 1:  # the update on a torch.distributed group of Ray actors
             self.actor = LearnerGroup(cfg, model_dir, initial, log)
@@ -117,10 +123,10 @@ class Trainer:
         self.workers: RolloutWorkers | None = None
         self.episodes: EpisodeLoop | None = None
         if cfg.rollout.num_workers:  # the workers are both the engine and the stage
-            self.workers = RolloutWorkers(cfg, model_dir, eos_ids, pad_id, sampling, log)
+            self.workers = RolloutWorkers(cfg, engine_dir, eos_ids, pad_id, sampling, log)
             self.engine, self.stage = self.workers, self.workers
         else:
-            self.engine = build_engine(cfg, policy, eos_ids, pad_id, model_dir)
+            self.engine = build_engine(cfg, policy, eos_ids, pad_id, engine_dir)
             self.stage = SpeculativeStage(
                 self.engine, sampling, cfg.data.max_response_length, cfg.rollout.spec
             )
@@ -156,6 +162,7 @@ class Trainer:
             self.tokenizer,
             self._checkpointed(),
             self.cfg.trainer.max_ckpt_to_keep,
+            self.base_model,
         )
         return str(path)
 
@@ -250,7 +257,7 @@ class Trainer:
         if cfg.rollout.enable_sleep_mode:
             self.engine.wake_up()
         with timed(metrics, "sync"):
-            self.sync_weights()
+            metrics["sync/weight_bytes"] = self.sync_weights()
         metrics["timing_s/step"] = time.perf_counter() - step_start
         step_scores = torch.tensor(scores.scores)
         metrics.update(
@@ -265,14 +272,18 @@ class Trainer:
         metrics["training/epoch"] = self.loader.epoch
         return metrics
 
-    def sync_weights(self) -> None:
-        """The policy's weights to the engine (in-process hf: shared, nothing is copied), for
-        the rollouts of the next step."""
-        weights = self.actor.policy.state_dict()
+    def sync_weights(self) -> int:
+        """The policy's weights to the engine, for the rollouts of the next step: → the bytes
+        that travel (in-process hf: 0, the model is shared; with LoRA the adapters, or for vLLM
+        the merged weights)."""
+        weights = rollout_weights(self.actor.policy, self.cfg.rollout.name)
         if self.workers is None:
             self.engine.load_weights(weights)
+            if self.cfg.rollout.name == "hf":
+                return 0
         else:
             self.workers.load_weights(weights, self.global_step + 1)
+        return sum(t.numel() * t.element_size() for t in weights.values())
 
     # ---------------------------------------------------------------- rollout + rewards
     def collect_rollouts(self, metrics: dict[str, float]) -> tuple[list[Rollout], Scores]:

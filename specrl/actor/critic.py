@@ -37,6 +37,7 @@ from specrl.actor.update import MiniBatchSums, UpdateShares, adamw_with_warmup, 
 from specrl.algorithms.losses import AggScale, masked_mean, value_loss
 from specrl.config import ActorConfig, Config, CriticConfig
 from specrl.errors import first_line
+from specrl.lora import peft_model, trained_weights, with_adapters
 
 
 @dataclass
@@ -85,13 +86,15 @@ def load_critic(
     cfg: Config, initial_dir: Path, rank: Rank = SINGLE, device: torch.device | str = "cpu"
 ) -> Critic:
     """The run's critic as learner `rank` runs it on `device`: `critic.model.path`, or the
-    policy's initial weights with a fresh head (a resumed run then loads the checkpoint's critic
-    over it)."""
+    policy's initial weights with a fresh head; with `critic.lora.rank` > 0, adapters on its body
+    and the head trained fully (a resumed run then loads the checkpoint's critic over it)."""
     path = cfg.critic.model.path or initial_dir
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(cfg.trainer.seed)  # a fresh head: the same on every rank, for any K
-        model = load_critic_model(path, cfg.model.dtype).to(device)
-    return Critic(model, cfg.critic, cfg.actor, rank)
+        model = load_critic_model(path, cfg.model.dtype)
+    if cfg.critic.lora.rank:
+        model = with_adapters(model, cfg.critic.lora, cfg.trainer.seed, task_type="TOKEN_CLS")
+    return Critic(model.to(device), cfg.critic, cfg.actor, rank)
 
 
 class Critic:
@@ -177,17 +180,18 @@ class Critic:
         return sums.values
 
     def state_dict(self) -> dict[str, Any]:
-        """Weights and optimizer in full, keyed by parameter names, and the schedule: the same
-        for any number of ranks (every rank calls; with K > 1 only rank 0 gets them)."""
+        """Weights (with LoRA: adapters and head) and optimizer in full, keyed by parameter
+        names, and the schedule: the same for any number of ranks (every rank calls; with K > 1
+        only rank 0 gets them)."""
         world = self.rank.world
         return {
-            "model": full_model_state(self.model, world),
+            "model": trained_weights(self.model, full_model_state(self.model, world)),
             "optimizer": full_optimizer_state(self.model, self.optimizer, world),
             "scheduler": self.scheduler.state_dict(),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        load_model_state(self.model, state["model"])
+        load_model_state(self.model, state["model"], strict=peft_model(self.model) is None)
         load_optimizer_state(self.model, self.optimizer, state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
 

@@ -123,9 +123,14 @@ def full_model_state(model: torch.nn.Module, world: int) -> dict[str, torch.Tens
     return get_model_state_dict(model, options=_full(world))
 
 
-def load_model_state(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> None:
-    """Load a `full_model_state` (each rank keeps its shard under FSDP2)."""
-    set_model_state_dict(model, state, options=StateDictOptions(full_state_dict=True))
+def load_model_state(
+    model: torch.nn.Module, state: dict[str, torch.Tensor], strict: bool = True
+) -> None:
+    """Load a `full_model_state` (each rank keeps its shard under FSDP2); not `strict`: a part of
+    one (a LoRA model's trained weights)."""
+    set_model_state_dict(
+        model, state, options=StateDictOptions(full_state_dict=True, strict=strict)
+    )
 
 
 def full_optimizer_state(

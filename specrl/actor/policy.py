@@ -18,6 +18,7 @@ from specrl.actor.update import Actor
 from specrl.algorithms.losses import ClipConfig
 from specrl.config import Config
 from specrl.errors import UserError, first_line
+from specrl.lora import load_adapters, with_adapters
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -91,6 +92,21 @@ def reference_policy(
     return reference.eval().requires_grad_(False)
 
 
+def load_trained_policy(
+    cfg: Config, model_dir: Path, initial_dir: Path, log=print
+) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """The policy as training sees it and its tokenizer: the model in `model_dir` (a checkpoint
+    or `initial_dir`); with `actor.lora.rank` > 0, the base model in `initial_dir` with the
+    adapters of the checkpoint in `model_dir`, or fresh ones (seeded: every copy is the same)."""
+    lora = cfg.actor.lora
+    if not lora.rank:
+        return load_policy(model_dir, cfg.model.dtype, log)
+    base, tokenizer = load_policy(initial_dir, cfg.model.dtype, log)
+    if Path(model_dir) != Path(initial_dir):
+        return load_adapters(base, Path(model_dir)), tokenizer
+    return with_adapters(base, lora, cfg.trainer.seed), tokenizer
+
+
 def load_actor(
     cfg: Config,
     model_dir: Path,
@@ -101,11 +117,11 @@ def load_actor(
 ) -> tuple[Actor, PreTrainedTokenizerBase]:
     """The actor of a run, as learner `rank` runs it on `device` (the policy from `model_dir`,
     a checkpoint or `initial_dir`; the frozen reference from `initial_dir` when a KL loss is
-    on) and the policy's tokenizer."""
-    policy, tokenizer = load_policy(model_dir, cfg.model.dtype, log=log)
+    on; with LoRA, the policy with its adapters disabled) and the policy's tokenizer."""
+    policy, tokenizer = load_trained_policy(cfg, model_dir, initial_dir, log)
     policy.to(device)
     reference = None
-    if cfg.actor.use_kl_loss:
+    if cfg.actor.use_kl_loss and not cfg.actor.lora.rank:
         reference = reference_policy(policy, model_dir, initial_dir, cfg.model.dtype, log)
         reference.to(device)
     loss = cfg.actor.policy_loss

@@ -32,6 +32,7 @@ from specrl.actor.data_parallel import (
 )
 from specrl.algorithms.losses import POLICY_LOSSES, AggScale, ClipConfig, agg_loss, kl_penalty
 from specrl.config import ActorConfig, OptimConfig
+from specrl.lora import peft_model, trained_weights
 
 
 @dataclass
@@ -192,9 +193,11 @@ def autocast(device: torch.device, dtype: str) -> contextlib.AbstractContextMana
 def adamw_with_warmup(
     model: torch.nn.Module, cfg: OptimConfig
 ) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LRScheduler]:
-    """AdamW over the model's parameters and its schedule: linear warmup, then constant."""
+    """AdamW over the model's trainable parameters (with LoRA: the adapters) and its schedule:
+    linear warmup, then constant."""
+    trained = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(
-        model.parameters(), lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay
+        trained, lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay
     )
     warmup = cfg.lr_warmup_steps
     scheduler = torch.optim.lr_scheduler.LambdaLR(
@@ -205,8 +208,9 @@ def adamw_with_warmup(
 
 class Actor:
     """The policy being trained, its optimizer and learning-rate schedule, and the frozen KL
-    reference (None without a KL loss), as `rank` of the learner group runs them (data_parallel:
-    wrapped for DDP or FSDP2 with K > 1 ranks; the models themselves with one)."""
+    reference (None without a KL loss, or with LoRA: the policy with its adapters disabled), as
+    `rank` of the learner group runs them (data_parallel: wrapped for DDP or FSDP2 with K > 1
+    ranks; the models themselves with one)."""
 
     def __init__(
         self,
@@ -234,12 +238,16 @@ class Actor:
     ) -> torch.Tensor:
         """Response logprobs [b, R] under the policy (or the reference), without gradients, of
         this rank's part of `batch` (`parts`: every rank's rows; None: all of it, one rank)."""
-        model = self.reference if reference else self.policy
+        model = self.reference if reference and self.reference is not None else self.policy
+        base_only = reference and self.reference is None  # LoRA: the base model is the reference
         parts = [torch.arange(len(batch))] if parts is None else parts
         device = next(model.parameters()).device
         out = []
         for rows, weight in micro_batches(parts, self.rank, self.cfg.ppo_micro_batch_size):
-            with autocast(device, self.cfg.autocast):
+            adapters = (
+                peft_model(model).disable_adapter() if base_only else contextlib.nullcontext()
+            )
+            with autocast(device, self.cfg.autocast), adapters:
                 logprobs = response_logprobs(model, batch.rows(rows).to(device), self.temperature)
             if weight:
                 out.append(logprobs[0].float().cpu())
@@ -265,8 +273,9 @@ class Actor:
         return ActorStats.of([self.update_shares(batch, group_size, seed)])
 
     def weights(self) -> dict[str, torch.Tensor]:
-        """The policy's full state dict (every rank calls; with K > 1 only rank 0 gets it)."""
-        return full_model_state(self.policy, self.rank.world)
+        """What the update changed: the policy's full state dict, or with LoRA its adapters
+        (every rank calls; with K > 1 only rank 0 gets them)."""
+        return trained_weights(self.policy, full_model_state(self.policy, self.rank.world))
 
     def state_dict(self) -> dict[str, Any]:
         """The optimizer keyed by parameter names and the schedule: the same for any number of

@@ -26,11 +26,12 @@ import torch.distributed as dist
 from specrl.actor.batch import TrainBatch
 from specrl.actor.critic import Critic, CriticStats, load_critic
 from specrl.actor.data_parallel import Rank, balanced_split
-from specrl.actor.policy import load_actor, load_policy
+from specrl.actor.policy import load_actor, load_trained_policy
 from specrl.actor.update import Actor, ActorStats, UpdateShares
 from specrl.config import Config
 from specrl.distributed.rollout import import_ray, require_cpus, start_ray
 from specrl.errors import UserError
+from specrl.lora import load_trained_weights
 from specrl.tracking import quiet_libraries
 
 
@@ -117,7 +118,7 @@ class LearnerGroup:
         world = cfg.learner_ranks
         gpus = 1 if cfg.trainer.n_gpus_per_node else 0
         require_cpus(ray, cfg)
-        self.policy, self.tokenizer = load_policy(model_dir, cfg.model.dtype, log)
+        self.policy, self.tokenizer = load_trained_policy(cfg, model_dir, initial_dir, log)
         self.policy.eval()
         remote = ray.remote(LearnerRank).options(
             num_cpus=cfg.actor.num_cpus_per_worker, num_gpus=gpus, max_restarts=0
@@ -168,7 +169,7 @@ class LearnerGroup:
         shares = [r.update.remote(ref, group_size, seed) for r in self.ranks]
         weights = [r.weights.remote() for r in self.ranks]
         stats = ActorStats.of(self._get(shares))
-        self.policy.load_state_dict(self._get(weights)[0])
+        load_trained_weights(self.policy, self._get(weights)[0])
         return stats
 
     def state_dict(self) -> dict[str, Any]:

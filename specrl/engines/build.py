@@ -10,17 +10,19 @@ from specrl.actor.policy import load_policy
 from specrl.config import Config
 from specrl.engines.hf import HFEngine
 from specrl.engines.protocol import RolloutEngine, SamplingParams
+from specrl.lora import rollout_weights, with_adapters
 
 
 def build_engine(
     cfg: Config, policy: PreTrainedModel, eos_ids: list[int], pad_id: int, model_dir: Path
 ) -> RolloutEngine:
     """hf wraps the trainer's own model object: weights are shared, so the sync after each update
-    copies nothing. vllm loads `model_dir` and then takes the policy's current weights."""
+    copies nothing. vllm loads `model_dir` (with LoRA: the base model) and then takes the
+    policy's current weights."""
     if cfg.rollout.name == "hf":
         return HFEngine(policy, eos_ids, pad_id, cfg.rollout.max_batch_size)
     engine = _vllm_engine(cfg, eos_ids, model_dir)
-    engine.load_weights(policy.state_dict())
+    engine.load_weights(rollout_weights(policy, "vllm"))
     return engine
 
 
@@ -28,9 +30,13 @@ def build_worker_engine(
     cfg: Config, eos_ids: list[int], pad_id: int, model_dir: Path, weight_transfer: str
 ) -> RolloutEngine:
     """The engine of a rollout worker: its own copy of the model in `model_dir` (the weights are
-    replaced by the trainer's at the first sync, through `weight_transfer`: local or nccl)."""
+    replaced by the trainer's at the first sync, through `weight_transfer`: local or nccl). With
+    LoRA, hf carries the same adapters as the policy, so a sync sends only them."""
     if cfg.rollout.name == "hf":
-        policy = load_policy(model_dir, cfg.model.dtype)[0].eval().requires_grad_(False)
+        policy = load_policy(model_dir, cfg.model.dtype)[0]
+        if cfg.actor.lora.rank:
+            policy = with_adapters(policy, cfg.actor.lora, cfg.trainer.seed)
+        policy.eval().requires_grad_(False)
         return HFEngine(policy, eos_ids, pad_id, cfg.rollout.max_batch_size)
     return _vllm_engine(cfg, eos_ids, model_dir, weight_transfer)
 
