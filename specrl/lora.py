@@ -115,6 +115,15 @@ def rollout_weights(model: torch.nn.Module, engine: str) -> dict[str, torch.Tens
     return trained_weights(model)
 
 
+def state_bytes(state: dict[str, torch.Tensor]) -> int:
+    """The bytes of a state dict as they travel: a storage shared by several names (tied
+    embeddings) once."""
+    storages = {
+        t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in state.values()
+    }
+    return sum(storages.values())
+
+
 def base_identity(path: str | Path) -> dict[str, str]:
     """The base model of a LoRA run: its directory and a SHA-256 over its weight files."""
     digest = hashlib.sha256()

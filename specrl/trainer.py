@@ -35,7 +35,7 @@ from specrl.episodes.env import load_environment
 from specrl.episodes.runner import EpisodeLoop, EpisodeStage
 from specrl.errors import UserError
 from specrl.evaluation import evaluate
-from specrl.lora import base_identity, check_base, rollout_weights
+from specrl.lora import base_identity, check_base, rollout_weights, state_bytes
 from specrl.metrics import data_metrics, logprob_mismatch, timed
 from specrl.models import resolve_model_path
 from specrl.rewards import RewardFunctionError, Scores, load_reward_functions, score_rollouts
@@ -283,7 +283,7 @@ class Trainer:
                 return 0
         else:
             self.workers.load_weights(weights, self.global_step + 1)
-        return sum(t.numel() * t.element_size() for t in weights.values())
+        return state_bytes(weights)
 
     # ---------------------------------------------------------------- rollout + rewards
     def collect_rollouts(self, metrics: dict[str, float]) -> tuple[list[Rollout], Scores]:

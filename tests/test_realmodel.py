@@ -58,10 +58,16 @@ def test_the_conversion_is_an_ordinary_float_checkpoint_with_its_chat_template(s
     assert "5" in tokenizer.decode(out[0, ids.shape[1] :])
 
 
-def test_smollm2_trains_on_a_reasoning_gym_task_with_speculation_and_resumes(smollm2, tmp_path):
+@pytest.mark.parametrize(
+    "lora", [[], ["actor.lora.rank=8", "actor.optim.lr=1e-4"]], ids=["full", "lora"]
+)
+def test_smollm2_trains_on_a_reasoning_gym_task_with_speculation_and_resumes(
+    smollm2, tmp_path, lora
+):
     """Two steps (two epochs of two prompts) of GRPO with speculation on chain_sum, resumed
     for a third: finite losses, non-empty responses after the chat template, reuse in the
-    second epoch, and the resumed run continues from the checkpoint."""
+    second epoch, and the resumed run continues from the checkpoint (with LoRA: the adapters'
+    checkpoint, a fraction of the model's size)."""
     _, cache = smollm2
     data = tmp_path / "data"
     subprocess.run(
@@ -78,6 +84,7 @@ def test_smollm2_trains_on_a_reasoning_gym_task_with_speculation_and_resumes(smo
         "data.max_response_length=12", "trainer.test_freq=0", "trainer.val_before_train=false",
         "trainer.save_freq=1", "trainer.logger=[jsonl]", "trainer.num_threads=2",
         "rollout.temperature=0.5",  # at 1.0 two slots of 49k-token model rarely share a token
+        *lora,
     ]  # fmt: skip
     env = {**os.environ, "SPECRL_CACHE": str(cache)}
 
@@ -100,3 +107,5 @@ def test_smollm2_trains_on_a_reasoning_gym_task_with_speculation_and_resumes(smo
     before, steps = steps, [m for m in read_metrics(run) if m["training/global_step"] > 0]
     assert steps[:2] == before and steps[2]["training/global_step"] == 3  # kept, not rerun
     assert math.isfinite(steps[-1]["actor/pg_loss"]) and steps[-1]["spec/trie/nodes"] > 0
+    saved = sum(f.stat().st_size for f in (run / "checkpoints" / "global_step_3").iterdir())
+    assert (saved < 100e6) == bool(lora)  # adapters + their optimizer state; else 1.6 GB

