@@ -82,21 +82,36 @@ def test_fsdp2_ranks_next_to_rollout_workers(ray_cluster, tiny_policy_dir, tmp_p
     assert all(m["rollout/num_workers"] == 2 for m in both if "rollout/num_workers" in m)
 
 
-def test_lora_on_two_ranks_and_two_workers_trains_as_in_one_process(
-    ray_cluster, tiny_policy_dir, tmp_path
+LORA = ["actor.lora.rank=4", "actor.optim.lr=1e-2", "actor.entropy_coeff=0.01",
+        "actor.use_kl_loss=true", "trainer.total_training_steps=3"]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def lora_in_one_process(tiny_policy_dir, tmp_path_factory):
+    return _run(tiny_policy_dir, tmp_path_factory.mktemp("lora-one"), *LORA)
+
+
+def test_lora_with_ddp_ranks_and_two_workers_trains_as_in_one_process(
+    ray_cluster, lora_in_one_process, tiny_policy_dir, tmp_path
 ):
     """LoRA adapters trained with DDP on two ranks and sent alone to two rollout workers (which
     carry the same adapters on their base copy): every step as in one process."""
-    lora = ["actor.lora.rank=4", "actor.optim.lr=1e-2", "actor.entropy_coeff=0.01",
-            "actor.use_kl_loss=true"]  # fmt: skip
-    one = _run(tiny_policy_dir, tmp_path / "one", *lora)
-    both = _run(tiny_policy_dir, tmp_path / "both", *lora, "actor.num_workers=2",
+    one = lora_in_one_process
+    both = _run(tiny_policy_dir, tmp_path / "both", *LORA, "actor.num_workers=2",
                 "rollout.num_workers=2")  # fmt: skip
     _assert_same(one, both)
-    assert one[-1]["actor/grad_norm"] > 0
+    assert one[-1]["actor/grad_norm"] > 0 and one[-1]["actor/kl_loss"] > 0
     full = _run(tiny_policy_dir, tmp_path / "full", "rollout.num_workers=2")
     assert 0 < both[-1]["sync/weight_bytes"] < full[-1]["sync/weight_bytes"] / 4
     assert one[-1]["sync/weight_bytes"] == 0  # in-process: the engine holds the model
+
+
+def test_lora_with_fsdp2_ranks_trains_as_in_one_process(
+    ray_cluster, lora_in_one_process, tiny_policy_dir, tmp_path
+):
+    fsdp = _run(tiny_policy_dir, tmp_path / "fsdp", *LORA, "actor.num_workers=2",
+                "actor.strategy=fsdp2")  # fmt: skip
+    _assert_same(lora_in_one_process, fsdp)
 
 
 def test_a_dead_rank_stops_the_run_with_a_message(ray_cluster, tiny_policy_dir, tmp_path):
