@@ -21,10 +21,14 @@ from peft.tuners.lora import LoraLayer
 from transformers import PreTrainedModel
 
 from specrl.config import LoraConfig
-from specrl.errors import UserError
+from specrl.errors import UserError, first_line
 
 BASE_FILE = "base_model.json"
 WEIGHT_SUFFIXES = (".safetensors", ".bin")
+
+
+class LoraTargetError(UserError):
+    """`target_modules` names no module of the model."""
 
 
 class BaseModelError(UserError):
@@ -32,11 +36,16 @@ class BaseModelError(UserError):
 
 
 def with_adapters(
-    model: PreTrainedModel, cfg: LoraConfig, seed: int, task_type: str = "CAUSAL_LM"
+    model: PreTrainedModel,
+    cfg: LoraConfig,
+    seed: int,
+    task_type: str = "CAUSAL_LM",
+    key: str = "actor.lora",
 ) -> peft.PeftModel:
     """`model` with fresh adapters (A random, B = 0: the model computes what the base does).
     Their initialisation is seeded, so every learner rank and every copy builds the same ones.
-    A token-classification model (the critic) trains its value head fully beside them."""
+    A token-classification model (the critic) trains its value head fully beside them. `key`:
+    the config section, named when its target modules are not in the model."""
     exclude = ["score", "classifier"] if task_type == "TOKEN_CLS" else None
     config = peft.LoraConfig(
         r=cfg.rank,
@@ -49,7 +58,20 @@ def with_adapters(
     )
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        return peft.get_peft_model(model, config)
+        try:
+            return peft.get_peft_model(model, config)
+        except ValueError as err:  # no module matches (peft's NoMatchingPeftModuleError)
+            linear = sorted(
+                {
+                    n.rsplit(".", 1)[-1]
+                    for n, m in model.named_modules()
+                    if type(m).__name__ == "Linear"
+                }
+            )
+            raise LoraTargetError(
+                f"{key}.target_modules={cfg.target_modules!r} matches no module of the model "
+                f"({first_line(err)}); its linear layers are {', '.join(linear)}, or use all-linear"
+            ) from None
 
 
 def load_adapters(model: PreTrainedModel, directory: Path) -> peft.PeftModel:

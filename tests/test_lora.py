@@ -149,3 +149,12 @@ def test_adapters_resume_only_on_their_base_and_export_merges_them(
     assert main(["export", str(checkpoint), str(tmp_path / "x"), "--base", str(other)]) == 2
     err = capsys.readouterr().err
     assert "is not empty" in err and "not the one checkpoint" in err
+
+
+def test_target_modules_the_model_lacks_get_one_line(tiny_policy_dir, tmp_path, capsys):
+    argv = ["train", f"model.path={tiny_policy_dir}", f"trainer.output_dir={tmp_path}",
+            "actor.lora.rank=4", "actor.lora.target_modules=[qkv]"]  # fmt: skip
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert "actor.lora.target_modules=['qkv'] matches no module" in err and "q_proj" in err
+    assert len(err.splitlines()) == 1

@@ -93,7 +93,7 @@ def load_critic(
         torch.manual_seed(cfg.trainer.seed)  # a fresh head: the same on every rank, for any K
         model = load_critic_model(path, cfg.model.dtype)
     if cfg.critic.lora.rank:
-        model = with_adapters(model, cfg.critic.lora, cfg.trainer.seed, task_type="TOKEN_CLS")
+        model = with_adapters(model, cfg.critic.lora, cfg.trainer.seed, "TOKEN_CLS", "critic.lora")
     return Critic(model.to(device), cfg.critic, cfg.actor, rank)
 
 
