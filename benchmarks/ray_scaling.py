@@ -58,10 +58,11 @@ import ray
 import torch
 import transformers
 
-from specrl.actor.policy import eos_token_ids
 from specrl.config import load_config
 from specrl.distributed.learner import LearnerGroup
-from specrl.distributed.rollout import RolloutWorkers, start_ray
+from specrl.distributed.ray_cluster import start_ray
+from specrl.distributed.rollout import RolloutWorkers
+from specrl.models import eos_token_ids
 from specrl.speculative.stage import SpeculativeStage
 from specrl.trainer import Trainer
 

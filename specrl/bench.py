@@ -31,11 +31,11 @@ from typing import Any
 import torch
 import transformers
 
-from specrl.actor.policy import eos_token_ids, load_policy
 from specrl.config import Config, ConfigError, validated
 from specrl.cost_model import ModelShape
 from specrl.engines.hf import HFEngine
 from specrl.errors import UserError
+from specrl.models import eos_token_ids, load_policy
 from specrl.plots import plot_metrics
 from specrl.projection import calibrate, machine_check, recorded_steps
 from specrl.run_dir import heldout_metric

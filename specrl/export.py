@@ -10,10 +10,10 @@ from pathlib import Path
 
 import yaml
 
-from specrl.actor.policy import load_policy
 from specrl.checkpoint import STATE_FILE
 from specrl.errors import UserError
 from specrl.lora import BASE_FILE, base_identity, check_base, load_adapters
+from specrl.models import load_policy
 
 
 class ExportError(UserError):

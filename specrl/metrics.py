@@ -9,6 +9,7 @@ from contextlib import contextmanager
 import numpy as np
 import torch
 
+from specrl.algorithms.losses import masked_mean
 from specrl.types import Rollout
 
 
@@ -64,4 +65,18 @@ def data_metrics(
         "prompt_length/mean": prompt_lengths.mean().item(),
         "perf/total_num_tokens": total_tokens,
         "perf/throughput": total_tokens / step_time,
+    }
+
+
+def value_metrics(
+    values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor
+) -> dict[str, float]:
+    """verl's critic data metrics: mean value and return over the response tokens, and the
+    fraction of the returns' variance the values explain."""
+    valid = mask.bool()
+    residual = (returns - values)[valid]
+    return {
+        "critic/values/mean": masked_mean(values, mask).item(),
+        "critic/returns/mean": masked_mean(returns, mask).item(),
+        "critic/vf_explained_var": (1 - residual.var() / (returns[valid].var() + 1e-5)).item(),
     }

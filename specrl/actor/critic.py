@@ -32,12 +32,12 @@ from specrl.actor.data_parallel import (
     micro_batches,
     wrap,
 )
-from specrl.actor.policy import DTYPES, ModelLoadError
 from specrl.actor.update import MiniBatchSums, UpdateShares, adamw_with_warmup, autocast
-from specrl.algorithms.losses import AggScale, masked_mean, value_loss
+from specrl.algorithms.losses import AggScale, value_loss
 from specrl.config import ActorConfig, Config, CriticConfig
 from specrl.errors import first_line
 from specrl.lora import peft_model, trained_weights, with_adapters
+from specrl.models import DTYPES, ModelLoadError
 
 
 @dataclass
@@ -194,17 +194,3 @@ class Critic:
         load_model_state(self.model, state["model"], strict=peft_model(self.model) is None)
         load_optimizer_state(self.model, self.optimizer, state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
-
-
-def value_metrics(
-    values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor
-) -> dict[str, float]:
-    """verl's critic data metrics: mean value and return over the response tokens, and the
-    fraction of the returns' variance the values explain."""
-    valid = mask.bool()
-    residual = (returns - values)[valid]
-    return {
-        "critic/values/mean": masked_mean(values, mask).item(),
-        "critic/returns/mean": masked_mean(returns, mask).item(),
-        "critic/vf_explained_var": (1 - residual.var() / (returns[valid].var() + 1e-5)).item(),
-    }

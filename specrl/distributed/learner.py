@@ -29,7 +29,7 @@ from specrl.actor.data_parallel import Rank, balanced_split
 from specrl.actor.policy import load_actor, load_trained_policy
 from specrl.actor.update import Actor, ActorStats, UpdateShares
 from specrl.config import Config
-from specrl.distributed.rollout import import_ray, require_cpus, start_ray
+from specrl.distributed.ray_cluster import import_ray, require_cpus, start_ray
 from specrl.errors import UserError
 from specrl.lora import load_trained_weights
 from specrl.tracking import quiet_libraries

@@ -6,11 +6,11 @@ from pathlib import Path
 
 from transformers import PreTrainedModel
 
-from specrl.actor.policy import load_policy
 from specrl.config import Config
 from specrl.engines.hf import HFEngine
 from specrl.engines.protocol import RolloutEngine, SamplingParams
 from specrl.lora import rollout_weights, with_adapters
+from specrl.models import load_policy
 
 
 def build_engine(

@@ -30,9 +30,9 @@ from typing import Any, Protocol
 
 from specrl.episodes.calculator import Calculator
 from specrl.errors import UserError
-from specrl.rewards import call_with_timeout, stated_acc
+from specrl.rewards import stated_acc
 from specrl.types import Example
-from specrl.user_code import load_from_file
+from specrl.user_code import call_with_timeout, load_from_file
 
 
 class EnvError(UserError):

@@ -24,8 +24,6 @@ from __future__ import annotations
 
 import inspect
 import math
-import queue
-import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -39,7 +37,7 @@ from specrl.data import arithmetic, prompt_text, reasoning_gym
 from specrl.errors import UserError
 from specrl.rewards import math_answer
 from specrl.types import Example, Rollout
-from specrl.user_code import load_from_file
+from specrl.user_code import call_with_timeout, load_from_file
 
 BUILTIN_SCORERS: dict[str, Callable[..., float]] = {
     arithmetic.DATA_SOURCE: arithmetic.compute_score
@@ -263,26 +261,6 @@ def _style(fn: Callable[..., Any], label: str) -> Literal["verl", "trl"]:
         f"reward function {label} must take (data_source, solution_str, ground_truth, extra_info) "
         "like verl, or (completions, **columns) like TRL"
     )
-
-
-def call_with_timeout(
-    fn: Callable[..., Any], args: tuple, timeout_s: float
-) -> tuple[Any, str | None]:
-    """Run fn(*args) on a daemon thread; → (value, None) or (None, error message). Works from any
-    thread (no signals); a call that hangs is abandoned, not killed."""
-    box: queue.Queue = queue.Queue(maxsize=1)
-
-    def run() -> None:
-        try:
-            box.put((fn(*args), None))
-        except Exception as err:
-            box.put((None, f"raised {err!r}"))
-
-    threading.Thread(target=run, daemon=True).start()
-    try:
-        return box.get(timeout=timeout_s)
-    except queue.Empty:
-        return None, f"timed out after {timeout_s:g}s"
 
 
 def stated_acc(value: Any) -> float | None:

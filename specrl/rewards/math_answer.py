@@ -1,7 +1,7 @@
 """Math answer checking with math-verify for user math datasets (boxed or plain answers).
 
 math-verify's own timeouts use `signal.alarm`, which only works on the main thread; we disable
-them here and bound each call with `call_with_timeout` (rewards/__init__.py) instead, which works
+them here and bound each call with `call_with_timeout` (user_code.py) instead, which works
 on any thread.
 """
 

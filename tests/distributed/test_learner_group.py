@@ -11,7 +11,7 @@ pytest.importorskip("ray", reason="ray is not installed (pip install 'specrl[ray
 
 from specrl.config import RayInitConfig
 from specrl.distributed.learner import LearnerGroupError
-from specrl.distributed.rollout import require_cpus, start_ray
+from specrl.distributed.ray_cluster import require_cpus, start_ray
 from specrl.errors import UserError
 from specrl.trainer import Trainer
 from tests.conftest import read_metrics, small_config

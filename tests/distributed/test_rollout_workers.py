@@ -10,16 +10,12 @@ import torch
 
 pytest.importorskip("ray", reason="ray is not installed (pip install 'specrl[ray]')")
 
-from specrl.actor.policy import eos_token_ids, load_policy
 from specrl.data import load_prompts
-from specrl.distributed.rollout import (
-    RAY_AUTH_LOGGER,
-    RolloutWorkers,
-    start_ray,
-    token_auth_enabled_notice,
-)
+from specrl.distributed.ray_cluster import RAY_AUTH_LOGGER, start_ray, token_auth_enabled_notice
+from specrl.distributed.rollout import RolloutWorkers
 from specrl.engines import SamplingParams
 from specrl.engines.hf import HFEngine
+from specrl.models import eos_token_ids, load_policy
 from specrl.speculative.stage import SpeculativeStage
 from specrl.trainer import Trainer
 from tests.conftest import read_metrics, save_tiny_policy, small_config

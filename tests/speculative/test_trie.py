@@ -113,8 +113,8 @@ def test_trie_rollouts_are_vanilla_rollouts_token_for_token(toy_run, sampling):
 def toy_run(tmp_path_factory):
     """Prompts of the built-in task and the shipped policy's weights after each of four steps
     of a training run (a high learning rate, so that they move)."""
-    from specrl.actor.policy import eos_token_ids, load_policy
     from specrl.data import load_prompts
+    from specrl.models import eos_token_ids, load_policy
     from specrl.trainer import Trainer
 
     out = tmp_path_factory.mktemp("toy-run")
