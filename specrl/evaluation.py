@@ -13,7 +13,7 @@ from transformers import PreTrainedTokenizerBase
 from specrl.engines import GREEDY, RolloutEngine
 from specrl.episodes.runner import EpisodeLoop, sampled_turns
 from specrl.rewards import RewardFunction, score_rollouts
-from specrl.speculative.stage import sample_rollouts
+from specrl.rollouts import sample_rollouts
 from specrl.types import Prompt, Rollout
 
 

@@ -30,7 +30,7 @@ from specrl.engines.hf import HFEngine
 from specrl.episodes.env import load_environment
 from specrl.episodes.runner import EpisodeLoop, sampled_turns
 from specrl.errors import UserError
-from specrl.speculative.stage import sample_rollouts
+from specrl.rollouts import sample_rollouts
 from specrl.types import Prompt
 
 SPECIAL_TOKENS = ["<pad>", "<eos>", "<unk>"]

@@ -32,7 +32,8 @@ from transformers import PreTrainedTokenizerBase
 
 from specrl.engines import RolloutEngine, SamplingParams
 from specrl.episodes.env import EnvError, Environment, EnvironmentFactory
-from specrl.speculative.stage import SlotRequest, SpeculativeStage, sample_slots
+from specrl.rollouts import SlotRequest, sample_slots
+from specrl.speculative.stage import SpeculativeStage
 from specrl.speculative.stats import RolloutStats
 from specrl.types import FinishReason, Prompt, Rollout
 

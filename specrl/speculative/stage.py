@@ -11,14 +11,12 @@ counts. A call takes prompts and a number of slots (`__call__`), or single slots
 token budgets and with or without their stored drafts (`rollout`: the turns of episodes). Its
 state is saved whole (`state_dict`) or per prompt (`export` / `import_`: a prompt's
 drafts and tree, what moves with a prompt between workers that own shards of prompts).
-`sample_rollouts` and `sample_slots` are plain sampling without a stage (evaluation).
 """
 
 from __future__ import annotations
 
 import copy
 import dataclasses
-import hashlib
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -40,6 +38,7 @@ from specrl.engines import (
 )
 from specrl.engines.sampling import seeded_uniform
 from specrl.errors import UserError
+from specrl.rollouts import SlotRequest, rollout_seed, sample_rollouts
 from specrl.speculative.acceptance import (
     accept_mask,
     cut_indices,
@@ -51,13 +50,6 @@ from specrl.speculative.stats import RolloutStats
 from specrl.speculative.store import RolloutStore, StoredRollout
 from specrl.speculative.tree import ROOT, PromptTree, TokenTree
 from specrl.types import FinishReason, Prompt, Rollout
-
-
-def rollout_seed(*key: object) -> int:
-    """A 63-bit seed from a key such as (run seed, step, prompt id, slot): fresh for every step,
-    independent of batch composition and order."""
-    digest = hashlib.blake2b(repr(key).encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "little") >> 1
 
 
 @dataclass
@@ -116,55 +108,6 @@ def walk_trie(
         if tree.token[node] in eos_token_ids:
             return Walked(tokens, logprobs, "stop")
     return Walked(tokens, logprobs, "length")
-
-
-@dataclass(frozen=True)
-class SlotRequest:
-    """One slot to roll out: at most `max_tokens` tokens, from its stored draft when `use_draft`
-    (and speculation is on)."""
-
-    prompt: Prompt
-    slot: int
-    max_tokens: int
-    use_draft: bool = True
-
-
-def sample_rollouts(
-    engine: RolloutEngine,
-    prompts: Sequence[Prompt],
-    n: int,
-    sampling: SamplingParams,
-    max_response_length: int,
-    seed_key: tuple,
-    policy_version: int,
-) -> list[Rollout]:
-    """Plain sampling → len(prompts) * n rollouts, prompt-major (a prompt's slots contiguous)."""
-    slots = [SlotRequest(p, s, max_response_length) for p in prompts for s in range(n)]
-    return sample_slots(engine, slots, sampling, seed_key, policy_version)
-
-
-def sample_slots(
-    engine: RolloutEngine,
-    slots: Sequence[SlotRequest],
-    sampling: SamplingParams,
-    seed_key: tuple,
-    policy_version: int,
-) -> list[Rollout]:
-    """Plain sampling of single slots (no drafts) → one rollout per slot, in order."""
-    requests = [
-        GenRequest(
-            q.prompt.ids,
-            q.max_tokens,
-            sampling,
-            rollout_seed(*seed_key, q.prompt.prompt_id, q.slot),
-        )
-        for q in slots
-    ]
-    results = engine.generate(requests)
-    return [
-        Rollout(q.prompt, q.slot, r.token_ids, r.logprobs, r.finish_reason, policy_version)
-        for q, r in zip(slots, results, strict=True)
-    ]
 
 
 @dataclass

@@ -12,8 +12,9 @@ import torch
 from specrl.config import SpecConfig, TreeConfig
 from specrl.engines import GREEDY, GenRequest, LogprobRequest, SamplingParams
 from specrl.engines.hf import HFEngine
+from specrl.rollouts import sample_rollouts
 from specrl.speculative.drafting import Drafting, DraftWidth, TreeDrafts
-from specrl.speculative.stage import SpeculativeStage, sample_rollouts
+from specrl.speculative.stage import SpeculativeStage
 from specrl.speculative.tree import TokenTree
 from specrl.types import Example, Prompt
 from tests.conftest import EOS, PAD, make_tiny_model, read_metrics

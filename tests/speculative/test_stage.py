@@ -8,7 +8,8 @@ from specrl.config import SpecConfig, TreeConfig
 from specrl.engines import GREEDY, Capabilities, LogprobRequest, SamplingParams
 from specrl.engines.hf import HFEngine
 from specrl.errors import UserError
-from specrl.speculative.stage import SpeculativeStage, sample_rollouts
+from specrl.rollouts import sample_rollouts
+from specrl.speculative.stage import SpeculativeStage
 from specrl.types import Example, Prompt, Rollout
 from tests.conftest import EOS, PAD, make_tiny_model
 from tests.speculative.distributions import distribution_pvalue, target_and_drafter

@@ -5,7 +5,8 @@ import pytest
 from specrl.config import SpecConfig, TreeConfig
 from specrl.engines import SamplingParams
 from specrl.engines.hf import HFEngine
-from specrl.speculative.stage import SpeculativeStage, sample_rollouts
+from specrl.rollouts import sample_rollouts
+from specrl.speculative.stage import SpeculativeStage
 from specrl.speculative.tree import Cursor, PromptTree, TokenTree
 from specrl.types import Example, Prompt
 from tests.conftest import EOS, PAD, make_tiny_model

@@ -9,7 +9,8 @@ import pytest
 from specrl.config import ConfigError, SpecConfig, load_config
 from specrl.engines import GREEDY, GenRequest, LogprobRequest, SamplingParams, TrieRequest
 from specrl.engines.hf import HFEngine
-from specrl.speculative.stage import SpeculativeStage, sample_rollouts
+from specrl.rollouts import sample_rollouts
+from specrl.speculative.stage import SpeculativeStage
 from specrl.speculative.tree import PromptTree
 from specrl.types import Example, Prompt
 from tests.conftest import EOS, PAD, make_tiny_model
