@@ -119,7 +119,7 @@ class RolloutWorkers:
         self.state: Mapping[str, torch.Tensor] = {}  # the current weights (nccl backend)
         self.nccl = None
         if backend == "nccl":
-            from specrl.distributed.nccl_sync import NcclWeightSync
+            from specrl.engines.vllm.nccl_sync import NcclWeightSync
 
             self.nccl = NcclWeightSync(ray)
             self.nccl.connect(self.handles)

@@ -11,7 +11,7 @@
 `auto` is nccl where it can run (vLLM workers with GPUs, the policy on a GPU in the trainer's
 process), else object_store. With several learner ranks the trainer's process holds a CPU copy
 of the policy, gathered from them after each update (rank 0 gathers the full tensors; under FSDP2
-every rank takes part), and publishes it through the object store. The nccl side lives in `nccl_sync.py`, imported only when it is chosen (it
+every rank takes part), and publishes it through the object store. The nccl side lives in `engines/vllm/nccl_sync.py`, imported only when it is chosen (it
 imports vLLM).
 """
 

@@ -71,24 +71,24 @@ class RolloutWorker:
 
     # vLLM's weight-sync calls, for the trainer's NCCL weight-transfer engine (nccl backend)
     def init_weight_transfer_engine(self, request: Any) -> None:
-        self.engine.llm.init_weight_transfer_engine(request)
+        self.engine.init_weight_transfer_engine(request)
 
     def shutdown_weight_transfer_engine(self) -> None:
-        self.engine.llm.shutdown_weight_transfer_engine()
+        self.engine.shutdown_weight_transfer_engine()
 
     def start_weight_update(self) -> None:
-        self.engine.llm.start_weight_update()
+        self.engine.start_weight_update()
 
     def update_weights(self, request: Any) -> None:
-        self.engine.llm.update_weights(request)
+        self.engine.update_weights(request)
 
     def finish_weight_update(self) -> None:
-        self.engine.llm.finish_weight_update()
+        self.engine.finish_weight_update()
 
     def weights_received(self, version: int) -> int:
-        """The broadcast of step `version`'s weights is complete: the prefix cache (KV of the
-        old weights) goes."""
-        self.engine.llm.reset_prefix_cache()
+        """The broadcast of step `version`'s weights is complete (the engine drops the KV of
+        the old weights)."""
+        self.engine.weights_received()
         self.policy_version = version
         return version
 

@@ -266,7 +266,7 @@ def test_state_dict_source_declares_what_it_yields():
     """The nccl backend's weight source: vLLM sizes its receive buffers from `metadata()`, which
     must list every tensor of the state dict, in order, with its dtype and shape; the gather
     groups must cover them all in that order. (Iterating moves tensors to the GPU: GPU only.)"""
-    from specrl.distributed.nccl_sync import StateDictSource
+    from specrl.engines.vllm.nccl_sync import StateDictSource
 
     source = StateDictSource()
     source.state = tiny(0).state_dict()

@@ -453,9 +453,30 @@ class VLLMEngine:
         """New weights through vLLM's weight-update API; the prefix cache (KV of the old weights)
         is dropped."""
         weights = [(name, t.detach()) for name, t in state.items()]
+        self.start_weight_update()
+        self.update_weights({"update_info": {"weights": weights}})
+        self.finish_weight_update()
+        self.weights_received()
+
+    # vLLM's weight-update API, also driven from outside by the trainer's NCCL engine (through a
+    # rollout worker: nccl_sync.py)
+    def init_weight_transfer_engine(self, request: Any) -> None:
+        self.llm.init_weight_transfer_engine(request)
+
+    def shutdown_weight_transfer_engine(self) -> None:
+        self.llm.shutdown_weight_transfer_engine()
+
+    def start_weight_update(self) -> None:
         self.llm.start_weight_update()
-        self.llm.update_weights({"update_info": {"weights": weights}})
+
+    def update_weights(self, request: Any) -> None:
+        self.llm.update_weights(request)
+
+    def finish_weight_update(self) -> None:
         self.llm.finish_weight_update()
+
+    def weights_received(self) -> None:
+        """New weights are in: the prefix cache (KV of the old weights) goes."""
         self.llm.reset_prefix_cache()
 
     def sleep(self) -> None:
