@@ -1,0 +1,52 @@
+"""Which modules may import what (imports parsed with `ast`, so nothing here runs): the layers
+below the trainer do not reach up into it, vLLM stays behind engines/vllm/ and Ray behind
+distributed/."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parents[1] / "specrl"
+MODULES = sorted(PACKAGE.rglob("*.py"))
+
+
+def imports(path: Path) -> list[tuple[str, list[str]]]:
+    """(module, names) of every import in a file, at any depth (lazy imports included)."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found += [(alias.name, []) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            found.append((node.module, [alias.name for alias in node.names]))
+    return found
+
+
+def where(path: Path) -> str:
+    return path.relative_to(PACKAGE).as_posix()
+
+
+def test_the_scan_sees_the_package():
+    assert len(MODULES) > 60 and any(where(p) == "speculative/stage.py" for p in MODULES)
+
+
+@pytest.mark.parametrize("layer", ["engines", "speculative", "algorithms"])
+def test_lower_layers_import_neither_the_trainer_nor_distributed_and_only_config_schemas(layer):
+    for path in (PACKAGE / layer).rglob("*.py"):
+        for module, names in imports(path):
+            assert not module.startswith(("specrl.trainer", "specrl.distributed")), where(path)
+            if module == "specrl.config":
+                assert all(name.endswith("Config") for name in names), (where(path), names)
+
+
+@pytest.mark.parametrize(("library", "home"), [("vllm", "engines/vllm/"), ("ray", "distributed/")])
+def test_only_its_home_imports_a_heavy_library(library, home):
+    outside = [
+        where(path)
+        for path in MODULES
+        for module, _ in imports(path)
+        if module.split(".")[0] == library and not where(path).startswith(home)
+    ]
+    assert outside == []
