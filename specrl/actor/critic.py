@@ -10,7 +10,6 @@ position before it. Its weights and optimizer state are part of every checkpoint
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -22,17 +21,20 @@ from specrl.actor.batch import TrainBatch
 from specrl.actor.data_parallel import (
     SINGLE,
     Rank,
-    balanced_split,
     full_model_state,
-    full_norm,
     full_optimizer_state,
-    gradient_sync,
     load_model_state,
     load_optimizer_state,
     micro_batches,
     wrap,
 )
-from specrl.actor.update import MiniBatchSums, UpdateShares, adamw_with_warmup, autocast
+from specrl.actor.update import (
+    MiniBatching,
+    UpdateShares,
+    adamw_with_warmup,
+    autocast,
+    mini_batch_update,
+)
 from specrl.algorithms.losses import AggScale, value_loss
 from specrl.config import ActorConfig, Config, CriticConfig
 from specrl.errors import first_line
@@ -130,54 +132,37 @@ class Critic:
         """`critic.ppo_epochs` passes of mini-batches (`ppo_mini_batch_size` prompts of
         `group_size` rollouts) over `batch`, whose `values` and `returns` are filled in: this
         rank's token-balanced part of each (all of it with one rank)."""
-        generator = torch.Generator().manual_seed(seed)
-        mini = self.cfg.ppo_mini_batch_size * group_size
-        tokens = batch.attention_mask.sum(-1)
-        per_mini: list[dict[str, float]] = []
-        skipped = 0
-        self.model.train()
-        for _ in range(self.cfg.ppo_epochs):
-            order = torch.randperm(len(batch), generator=generator)
-            for start in range(0, len(batch), mini):
-                rows = order[start : start + mini]
-                parts = balanced_split(rows, tokens, self.rank.world)
-                micros = micro_batches(parts, self.rank, self.cfg.ppo_micro_batch_size)
-                sums = self._mini_batch(batch, micros, AggScale.of(batch.response_mask[rows]))
-                skipped += not math.isfinite(sums["grad_norm"])
-                per_mini.append(sums)
-        self.model.eval()
-        return UpdateShares(per_mini, skipped, self.scheduler.get_last_lr()[0])
+        cfg = self.cfg
+        plan = MiniBatching(
+            cfg.ppo_epochs, cfg.ppo_mini_batch_size, cfg.ppo_micro_batch_size, cfg.grad_clip
+        )
+        return mini_batch_update(
+            self.model,
+            self.optimizer,
+            self.scheduler,
+            batch,
+            plan,
+            self._loss,
+            group_size,
+            torch.Generator().manual_seed(seed),
+            self.rank,
+        )
 
     def update(self, batch: TrainBatch, group_size: int, seed: int) -> CriticStats:
         return CriticStats.of([self.update_shares(batch, group_size, seed)])
 
-    def _mini_batch(
-        self, batch: TrainBatch, micros: list[tuple[torch.Tensor, float]], scale: AggScale
-    ) -> dict[str, float]:
-        self.optimizer.zero_grad(set_to_none=True)
-        sums = MiniBatchSums()
-        device = next(self.model.parameters()).device
-        for i, (micro, weight) in enumerate(micros):
-            part = batch.rows(micro).to(device)
-            with autocast(device, self.autocast):
-                vpreds = token_values(self.model, part)
-            out = value_loss(
-                vpreds, part.values, part.returns, part.response_mask, self.cfg.cliprange_value,
-                scale,
-            )  # fmt: skip
-            with gradient_sync(self.model, enabled=i == len(micros) - 1):
-                (out.loss * (weight * self.rank.world)).backward()  # ranks' gradients averaged
-            sums.add("vf_loss", out.loss, weight)
-            sums.add("vf_clipfrac", out.vf_clipfrac, weight)
-            sums.add("vpred_mean", out.vpred_mean, weight)
-        grad_norm = full_norm(
-            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip)
+    def _loss(self, part: TrainBatch, scale: AggScale):
+        """The clipped value loss of a micro-batch."""
+        with autocast(part.input_ids.device, self.autocast):
+            vpreds = token_values(self.model, part)
+        out = value_loss(
+            vpreds, part.values, part.returns, part.response_mask, self.cfg.cliprange_value, scale
         )
-        if torch.isfinite(grad_norm):  # as the actor: a non-finite gradient is not applied
-            self.optimizer.step()
-            self.scheduler.step()
-        sums.add("grad_norm", grad_norm)
-        return sums.values
+        return out.loss, {
+            "vf_loss": out.loss,
+            "vf_clipfrac": out.vf_clipfrac,
+            "vpred_mean": out.vpred_mean,
+        }
 
     def state_dict(self) -> dict[str, Any]:
         """Weights (with LoRA: adapters and head) and optimizer in full, keyed by parameter

@@ -1,7 +1,8 @@
 """The PPO update of the policy, and the `Actor` that holds what it changes.
 
-`ppo_update` runs `actor.ppo_epochs` passes over a step's rollouts; each pass splits them into
-mini-batches (one optimizer step each) and those into micro-batches (gradient accumulation).
+`mini_batch_update` (the actor's and the critic's loop) runs `ppo_epochs` passes over a step's
+rollouts; each pass splits them into mini-batches (one optimizer step each) and those into
+micro-batches (gradient accumulation); `actor_loss` is the actor's loss of a micro-batch.
 Every micro-batch's loss is its share of its mini-batch's loss (`AggScale`), so the update does
 not depend on `ppo_micro_batch_size`, nor on how many learner ranks share each mini-batch
 (data_parallel.py).
@@ -10,6 +11,7 @@ not depend on `ppo_micro_batch_size`, nor on how many learner ranks share each m
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -100,36 +102,61 @@ class MiniBatchSums:
         self.values[key] = self.values.get(key, 0.0) + weight * value.item()
 
 
-def ppo_update(
-    model: PreTrainedModel,
+@dataclass(frozen=True)
+class MiniBatching:
+    """How an update walks a step's rollouts: `epochs` passes, each shuffled and split into
+    mini-batches of `mini_batch` prompts (one optimizer step each, its gradient norm clipped to
+    `grad_clip`), those into micro-batches of `micro_batch` sequences (gradient accumulation)."""
+
+    epochs: int
+    mini_batch: int
+    micro_batch: int
+    grad_clip: float
+
+
+# a micro-batch (on the model's device) and its mini-batch's totals → its loss share and the
+# terms to log
+LossFn = Callable[[TrainBatch, AggScale], tuple[torch.Tensor, dict[str, torch.Tensor]]]
+
+
+def mini_batch_update(
+    model: torch.nn.Module,
     optimizer: torch.optim.Optimizer,
     scheduler: torch.optim.lr_scheduler.LRScheduler,
     batch: TrainBatch,
-    cfg: ActorConfig,
-    clip: ClipConfig,
-    temperature: float,
+    plan: MiniBatching,
+    loss_fn: LossFn,
     group_size: int,
     generator: torch.Generator,
     rank: Rank = SINGLE,
 ) -> UpdateShares:
-    """Update `model` on `batch` (old logprobs, advantages and, where used, reference logprobs
-    and importance weights filled in). A mini-batch is `ppo_mini_batch_size` prompts of
-    `group_size` rollouts each; `generator` shuffles the rollouts every pass (the same on every
-    rank); `rank` computes its token-balanced part of each mini-batch."""
-    mini = cfg.ppo_mini_batch_size * group_size
+    """The update loop the actor and the critic share: `plan`'s passes over `batch` (prompts of
+    `group_size` rollouts each), `generator` shuffling the rollouts every pass (the same on every
+    rank), `rank` computing its token-balanced part of each mini-batch, gradients reduced across
+    ranks in each mini-batch's last backward. A mini-batch whose gradient is not finite is not
+    applied (the weights are kept, the skip counted)."""
+    mini = plan.mini_batch * group_size
     tokens = batch.attention_mask.sum(-1)
+    device = next(model.parameters()).device
     per_mini: list[dict[str, float]] = []
     skipped = 0
     model.train()
-    for _ in range(cfg.ppo_epochs):
+    for _ in range(plan.epochs):
         order = torch.randperm(len(batch), generator=generator)
         for start in range(0, len(batch), mini):
             rows = order[start : start + mini]
-            parts = balanced_split(rows, tokens, rank.world)
             scale = AggScale.of(batch.response_mask[rows])
-            micros = micro_batches(parts, rank, cfg.ppo_micro_batch_size)
-            sums = _mini_batch(model, optimizer, batch, micros, scale, cfg, clip, temperature, rank)
-            grad_norm = full_norm(torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip))
+            micros = micro_batches(balanced_split(rows, tokens, rank.world), rank, plan.micro_batch)
+            optimizer.zero_grad(set_to_none=True)
+            sums = MiniBatchSums()
+            for i, (micro, weight) in enumerate(micros):
+                loss, terms = loss_fn(batch.rows(micro).to(device), scale)
+                with gradient_sync(model, enabled=i == len(micros) - 1):
+                    (loss * (weight * rank.world)).backward()  # ranks' gradients are averaged
+                for key, value in terms.items():
+                    sums.add(key, value, weight)
+            clipped = torch.nn.utils.clip_grad_norm_(model.parameters(), plan.grad_clip)
+            grad_norm = full_norm(clipped)
             sums.add("grad_norm", grad_norm)
             if torch.isfinite(grad_norm):
                 optimizer.step()
@@ -141,26 +168,15 @@ def ppo_update(
     return UpdateShares(per_mini, skipped, scheduler.get_last_lr()[0])
 
 
-def _mini_batch(
-    model: PreTrainedModel,
-    optimizer: torch.optim.Optimizer,
-    batch: TrainBatch,
-    micros: list[tuple[torch.Tensor, float]],
-    scale: AggScale,
-    cfg: ActorConfig,
-    clip: ClipConfig,
-    temperature: float,
-    rank: Rank,
-) -> MiniBatchSums:
-    """Accumulate the gradient of one mini-batch (whose totals are `scale`) over this rank's
-    micro-batches (rows, loss weight), reducing it across ranks in the last backward: → this
-    rank's shares of the mini-batch's loss terms."""
-    optimizer.zero_grad(set_to_none=True)
-    sums = MiniBatchSums()
-    device = next(model.parameters()).device
-    for i, (micro, weight) in enumerate(micros):
-        part = batch.rows(micro).to(device)
-        with autocast(device, cfg.autocast):
+def actor_loss(
+    model: torch.nn.Module, cfg: ActorConfig, clip: ClipConfig, temperature: float
+) -> LossFn:
+    """The actor's loss of a micro-batch (old logprobs, advantages and, where used, reference
+    logprobs and importance weights filled in): the policy loss, the entropy bonus, the KL
+    loss."""
+
+    def loss_fn(part: TrainBatch, scale: AggScale):
+        with autocast(part.input_ids.device, cfg.autocast):
             logprobs, entropy = response_logprobs(model, part, temperature)  # [b, R] each
         mask = part.response_mask
         out = POLICY_LOSSES[clip.loss_mode](
@@ -168,19 +184,20 @@ def _mini_batch(
         )
         entropy_term = agg_loss(entropy, mask, cfg.loss_agg_mode, clip.horizon, scale)
         loss = out.loss - cfg.entropy_coeff * entropy_term
+        terms = {
+            "pg_loss": out.loss,
+            "pg_clipfrac": out.pg_clipfrac,
+            "pg_clipfrac_lower": out.pg_clipfrac_lower,
+            "ppo_kl": out.ppo_kl,
+            "entropy": entropy_term,
+        }
         if part.ref_logprobs is not None:
             kl = kl_penalty(logprobs, part.ref_logprobs, cfg.kl_loss_type)
-            kl_term = agg_loss(kl, mask, cfg.loss_agg_mode, clip.horizon, scale)
-            loss = loss + cfg.kl_loss_coef * kl_term
-            sums.add("kl_loss", kl_term, weight)
-        with gradient_sync(model, enabled=i == len(micros) - 1):
-            (loss * (weight * rank.world)).backward()  # ranks' gradients are averaged
-        sums.add("pg_loss", out.loss, weight)
-        sums.add("pg_clipfrac", out.pg_clipfrac, weight)
-        sums.add("pg_clipfrac_lower", out.pg_clipfrac_lower, weight)
-        sums.add("ppo_kl", out.ppo_kl, weight)
-        sums.add("entropy", entropy_term, weight)
-    return sums
+            terms["kl_loss"] = agg_loss(kl, mask, cfg.loss_agg_mode, clip.horizon, scale)
+            loss = loss + cfg.kl_loss_coef * terms["kl_loss"]
+        return loss, terms
+
+    return loss_fn
 
 
 def autocast(device: torch.device, dtype: str) -> contextlib.AbstractContextManager:
@@ -255,17 +272,19 @@ class Actor:
 
     def update_shares(self, batch: TrainBatch, group_size: int, seed: int) -> UpdateShares:
         """This rank's part of the update (all of it with one rank)."""
-        generator = torch.Generator().manual_seed(seed)
-        return ppo_update(
+        cfg = self.cfg
+        plan = MiniBatching(
+            cfg.ppo_epochs, cfg.ppo_mini_batch_size, cfg.ppo_micro_batch_size, cfg.grad_clip
+        )
+        return mini_batch_update(
             self.policy,
             self.optimizer,
             self.scheduler,
             batch,
-            self.cfg,
-            self.clip,
-            self.temperature,
+            plan,
+            actor_loss(self.policy, cfg, self.clip, self.temperature),
             group_size,
-            generator,
+            torch.Generator().manual_seed(seed),
             self.rank,
         )
 
