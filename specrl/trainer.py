@@ -1,48 +1,27 @@
 """The training loop, top to bottom as in docs/design.md: rollout → rewards → advantages → update →
-sync → log. Everything speculative happens inside the rollout stage; the policy and its update
-live in actor/."""
+sync → log. A `Trainer` is the run that assemble.py builds from the config, plus this loop.
+Everything speculative happens inside the rollout stage; the policy and its update live in
+actor/."""
 
 from __future__ import annotations
 
 import gc
-import random
 import time
 
 import numpy as np
 import torch
 
 from specrl.actor.batch import TrainBatch
-from specrl.actor.critic import load_critic
-from specrl.actor.policy import load_actor
-from specrl.actor.update import Actor
 from specrl.algorithms.advantages import AdvantageInputs, compute_advantages
 from specrl.algorithms.dapo import groups_with_signal
 from specrl.algorithms.rollout_correction import correction_weights
-from specrl.checkpoint import (
-    check_resumed_config,
-    load_trainer_state,
-    resolve_resume,
-    restore,
-    save_checkpoint,
-)
+from specrl.assemble import Run, build_run
 from specrl.config import Config, save_config
-from specrl.data import PromptLoader, read_splits, tokenize_splits
 from specrl.distributed.learner import LearnerGroup
-from specrl.distributed.rollout import RolloutWorkers
-from specrl.engines import SamplingParams
-from specrl.engines.build import build_engine, logprobs_are_the_trainers
-from specrl.episodes.env import load_environment
-from specrl.episodes.runner import EpisodeLoop, EpisodeStage
 from specrl.errors import UserError
-from specrl.evaluation import evaluate
-from specrl.lora import base_identity, check_base, rollout_weights, state_bytes
 from specrl.metrics import data_metrics, logprob_mismatch, timed, value_metrics
-from specrl.models import eos_token_ids, resolve_model_path
-from specrl.rewards import RewardFunctionError, Scores, load_reward_functions, score_rollouts
-from specrl.run_dir import RunInterrupted, StopSignals, open_run_dir
-from specrl.speculative.stage import SpeculativeStage
-from specrl.threads import run_threads
-from specrl.toy_policy import ToyPolicySpec, ensure_toy_policy
+from specrl.rewards import RewardFunctionError, Scores, score_rollouts
+from specrl.run_dir import RunInterrupted, StopSignals
 from specrl.tracking import Tracker
 from specrl.types import Rollout
 
@@ -51,120 +30,9 @@ class TrainingDivergedError(UserError):
     """Training cannot continue: repeated non-finite losses or gradients."""
 
 
-def seed_everything(seed: int) -> None:
-    random.seed(seed)
-    np.random.seed(seed)
-    torch.manual_seed(seed)
-
-
-class Trainer:
+class Trainer(Run):
     def __init__(self, cfg: Config, tracker: Tracker | None = None) -> None:
-        self.cfg = cfg
-        self.run_dir = cfg.trainer.run_dir
-        self.tracker = tracker or Tracker(
-            cfg.trainer.logger,
-            self.run_dir,
-            project=cfg.trainer.project_name,
-            experiment=cfg.trainer.experiment_name,
-        )
-        seed_everything(cfg.trainer.seed)
-        log = self.tracker.print
-        starting_over = cfg.trainer.resume_mode == "disable"
-        self.lock = open_run_dir(self.run_dir, starting_over, log)
-        self.resume_from = resolve_resume(cfg.trainer.resume_mode, self.run_dir)
-        state = load_trainer_state(self.resume_from) if self.resume_from else None
-        threads, self.threads_note = run_threads(
-            cfg.trainer.num_threads, state and state.get("torch_threads")
-        )
-        torch.set_num_threads(threads)
-        if state is not None:  # before any model is loaded
-            config = cfg.model_dump(mode="json")
-            check_resumed_config(self.run_dir, config, state["global_step"], self.tracker.warn)
-        # what needs no model first: a bad file, function or environment stops before any load
-        splits = read_splits(cfg.data, cfg.trainer.seed)
-        self.reward_fn = load_reward_functions(
-            cfg.custom_reward_function, cfg.reward_model.timeout_s
-        )
-        env = (
-            load_environment(cfg.env.path, cfg.env.name, cfg.env.timeout_s)
-            if cfg.episodes
-            else None
-        )
-        initial = (
-            resolve_model_path(cfg.model.path, log)
-            if cfg.model.path
-            else ensure_toy_policy(ToyPolicySpec(task=cfg.data.task), log=log)
-        )
-        lora = cfg.actor.lora.rank > 0
-        self.base_model = base_identity(initial) if lora else None
-        if lora and self.resume_from:  # the adapters fit only the base they were trained on
-            check_base(self.resume_from, self.base_model)
-        self.model_dir = model_dir = self.resume_from or initial
-        engine_dir = initial if lora else model_dir  # engines load the base; adapters follow
-        self.actor: Actor | LearnerGroup
-        if cfg.learner_ranks > 1:  # the update on a torch.distributed group of Ray actors
-            self.actor = LearnerGroup(cfg, model_dir, initial, log)
-            self.tokenizer = self.actor.tokenizer
-        else:
-            self.actor, self.tokenizer = load_actor(cfg, model_dir, initial, log)
-        gae = cfg.algorithm.adv_estimator == "gae"
-        self.critic = None
-        if gae:  # on the learner ranks next to the actor, or in this process
-            grouped = isinstance(self.actor, LearnerGroup)
-            self.critic = self.actor.critic if grouped else load_critic(cfg, initial)
-        policy = self.actor.policy
-        eos_ids = eos_token_ids(policy, self.tokenizer)
-        train, self.val_prompts = tokenize_splits(splits, self.tokenizer, cfg.data, log)
-        self.loader = PromptLoader(
-            train, cfg.data.train_batch_size, cfg.data.shuffle, cfg.trainer.seed
-        )
-        sampling = SamplingParams(cfg.rollout.temperature, cfg.rollout.top_p, cfg.rollout.top_k)
-        pad_id = self.tokenizer.pad_token_id
-        self.workers: RolloutWorkers | None = None
-        self.episodes: EpisodeLoop | None = None
-        if cfg.rollout.num_workers:  # the workers are both the engine and the stage
-            self.workers = RolloutWorkers(cfg, engine_dir, eos_ids, pad_id, sampling, log)
-            self.engine, self.stage = self.workers, self.workers
-        else:
-            self.engine = build_engine(cfg, policy, eos_ids, pad_id, engine_dir)
-            self.stage = SpeculativeStage(
-                self.engine, sampling, cfg.data.max_response_length, cfg.rollout.spec
-            )
-        if env is not None:  # each rollout an episode, its turns rolled out by the stage
-            self.episodes = EpisodeLoop(
-                env,
-                self.tokenizer,
-                cfg.rollout.multi_turn.max_turns,
-                cfg.data.max_response_length,
-                cfg.env.max_error_ratio,
-                self.tracker.warn,
-            )
-            self.stage = EpisodeStage(self.stage, self.episodes)
-        self.rollout_logprobs_are_old_logprobs = logprobs_are_the_trainers(cfg, sampling)
-        self.global_step = 0
-        self.bad_steps = 0  # consecutive steps with skipped (non-finite) updates
-        steps = cfg.trainer.total_epochs * self.loader.steps_per_epoch
-        self.total_steps = min(steps, cfg.trainer.total_training_steps or steps)
-        if state is not None:
-            self.global_step = restore(self.resume_from, state, self._checkpointed())
-        if self.workers is not None:
-            self.sync_weights()
-
-    def _checkpointed(self) -> dict:
-        parts = {"actor": self.actor, "loader": self.loader, "stage": self.stage}
-        return parts if self.critic is None else {**parts, "critic": self.critic}
-
-    def save(self) -> str:
-        path = save_checkpoint(
-            self.run_dir,
-            self.global_step,
-            self.actor.policy,
-            self.tokenizer,
-            self._checkpointed(),
-            self.cfg.trainer.max_ckpt_to_keep,
-            self.base_model,
-        )
-        return str(path)
+        super().__init__(**vars(build_run(cfg, tracker)))
 
     # ---------------------------------------------------------------- loop
     def fit(self) -> dict[str, float]:
@@ -272,19 +140,6 @@ class Trainer:
         metrics["training/epoch"] = self.loader.epoch
         return metrics
 
-    def sync_weights(self) -> int:
-        """The policy's weights to the engine, for the rollouts of the next step: → the bytes
-        that travel (in-process hf: 0, the model is shared; with LoRA the adapters, or for vLLM
-        the merged weights)."""
-        weights = rollout_weights(self.actor.policy, self.cfg.rollout.name)
-        if self.workers is None:
-            self.engine.load_weights(weights)
-            if self.cfg.rollout.name == "hf":
-                return 0
-        else:
-            self.workers.load_weights(weights, self.global_step + 1)
-        return state_bytes(weights)
-
     # ---------------------------------------------------------------- rollout + rewards
     def collect_rollouts(self, metrics: dict[str, float]) -> tuple[list[Rollout], Scores]:
         """Rollouts and their scores for data.train_batch_size prompts. With DAPO dynamic
@@ -391,15 +246,3 @@ class Trainer:
         if self.critic is not None:
             metrics.update(value_metrics(batch.values, batch.returns, batch.response_mask))
         return batch
-
-    def validate(self) -> dict[str, float]:
-        return evaluate(
-            self.engine,
-            self.val_prompts,
-            self.reward_fn,
-            self.tokenizer,
-            self.cfg.data.val_batch_size,
-            self.cfg.data.max_response_length,
-            self.global_step,
-            self.episodes,
-        )
