@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -31,49 +31,13 @@ from specrl.distributed.weight_sync import resolve_backend
 from specrl.distributed.worker import RolloutWorker, WorkerResult
 from specrl.engines import GenRequest, GenResult, SamplingParams
 from specrl.errors import UserError
+from specrl.speculative.prompt_state import PromptState
 from specrl.speculative.stats import RolloutStats
-from specrl.speculative.store import RolloutStore
-from specrl.speculative.tree import TokenTree
 from specrl.types import Prompt, Rollout
 
 
 class RolloutWorkersError(UserError):
     """Every rollout worker died."""
-
-
-class _Shards:
-    """The controller's copy of every prompt's speculative state, as the workers last reported
-    it (the store and trees in the stage's own formats)."""
-
-    def __init__(self) -> None:
-        self.store = RolloutStore()
-        self.tree = TokenTree()  # never evicts: the workers do, each within its share
-        self.has_tree = False
-
-    def update(self, delta: dict[str, Any]) -> None:
-        self.store.import_(delta["store"])
-        if delta["tree"] is not None:
-            self.has_tree = True
-            self.tree.import_(delta["tree"])
-
-    def export(self, prompt_ids: Iterable[str]) -> dict[str, Any]:
-        prompt_ids = list(prompt_ids)
-        return {
-            "store": self.store.export(prompt_ids),
-            "tree": self.tree.export(prompt_ids) if self.has_tree else None,
-        }
-
-    def state_dict(self) -> dict[str, Any]:
-        return {
-            "store": self.store.state_dict(),
-            "tree": self.tree.state_dict() if self.has_tree else None,
-        }
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.store.load_state_dict(state["store"])
-        self.has_tree = state["tree"] is not None
-        if self.has_tree:
-            self.tree.load_state_dict(state["tree"])
 
 
 class RolloutWorkers:
@@ -108,7 +72,7 @@ class RolloutWorkers:
         self.live = list(range(n))
         self.owners: dict[str, int] = {}  # prompt id → worker holding its drafts and tree
         self.costs: dict[str, float] = {}  # prompt id → tokens of its last rollouts
-        self.shards = _Shards()
+        self.shards = PromptState(None, adopt_trees=True)  # every prompt, as last reported
         self.weights: Any = None  # object ref of the current weights
         self.version: int | None = None
         self.restarts = 0
@@ -175,7 +139,7 @@ class RolloutWorkers:
             return self.handles[w].rollout.remote(prompts, n, seed_key, version)
 
         def keep(w: int, result: WorkerResult) -> WorkerResult:
-            self.shards.update(result.delta)
+            self.shards.import_(result.delta)
             self.draft_widths[w] = result.draft_width
             return result
 
@@ -202,7 +166,7 @@ class RolloutWorkers:
         died meanwhile is given back its shard without them when it is recovered)."""
         for ref in self._ahead:
             with contextlib.suppress(self._ray.exceptions.RayActorError):
-                self.shards.update(self._ray.get(ref))
+                self.shards.import_(self._ray.get(ref))
         self._ahead = []
 
     def _hand_over(self, w: int, ids: list[str]) -> None:

@@ -46,6 +46,7 @@ from specrl.speculative.acceptance import (
     specrl_behaviour_logprobs,
 )
 from specrl.speculative.drafting import Drafting, DraftWidth, StoredDrafts, TreeDrafts
+from specrl.speculative.prompt_state import PromptState
 from specrl.speculative.stats import RolloutStats
 from specrl.speculative.store import RolloutStore, StoredRollout
 from specrl.speculative.tree import ROOT, PromptTree, TokenTree
@@ -162,7 +163,6 @@ class SpeculativeStage:
         self.sampling = sampling
         self.max_response_length = max_response_length
         self.cfg = cfg
-        self.store = RolloutStore()
         if cfg.tree.method == "suffix" and cfg.uses_tree() and not capabilities.own_drafts:
             raise UserError(
                 "rollout.spec.tree.method=suffix needs an engine that drafts with vLLM's suffix "
@@ -179,12 +179,24 @@ class SpeculativeStage:
         )
         # a prompt's trie of its last `window` rollouts: what slots walk, and drafts come from
         wants_tree = self.tree_drafts or self.walks
-        self.tree = TokenTree(cfg.tree.window, cfg.tree.max_nodes) if wants_tree else None
+        self.prompts = PromptState(
+            TokenTree(cfg.tree.window, cfg.tree.max_nodes) if wants_tree else None
+        )
         # the engine's results count drafts: specrl's (trees, stored drafts) or the engine's own
         self.counts_drafts = self.tree_drafts or self.in_decoding or capabilities.own_drafts
         self.draft_width = DraftWidth(
             cfg.tree.max_draft_tokens, cfg.tree.adaptive, capabilities.ragged_drafts
         )
+
+    @property
+    def store(self) -> RolloutStore:
+        """Every prompt's drafts."""
+        return self.prompts.store
+
+    @property
+    def tree(self) -> TokenTree | None:
+        """Every prompt's token tree (None without trees)."""
+        return self.prompts.tree
 
     @property
     def lenient(self) -> bool:
@@ -258,31 +270,19 @@ class SpeculativeStage:
 
     # ---------------------------------------------------------------- state
     def state_dict(self) -> dict[str, Any]:
-        return {
-            "store": self.store.state_dict(),
-            "tree": None if self.tree is None else self.tree.state_dict(),
-            "draft_width": self.draft_width.state_dict(),
-        }
+        return {**self.prompts.state_dict(), "draft_width": self.draft_width.state_dict()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.store.load_state_dict(state["store"])
-        if self.tree is not None and state["tree"] is not None:
-            self.tree.load_state_dict(state["tree"])
+        self.prompts.load_state_dict(state)
         self.draft_width.load_state_dict(state["draft_width"])
 
     def export(self, prompt_ids: Iterable[str]) -> dict[str, Any]:
         """The per-prompt state of these prompts: their drafts (every slot) and token trees."""
-        prompt_ids = list(prompt_ids)
-        return {
-            "store": self.store.export(prompt_ids),
-            "tree": None if self.tree is None else self.tree.export(prompt_ids),
-        }
+        return self.prompts.export(prompt_ids)
 
     def import_(self, state: dict[str, Any]) -> None:
         """Take over prompts `export` gave (replacing what this stage held for them)."""
-        self.store.import_(state["store"])
-        if self.tree is not None and state["tree"] is not None:
-            self.tree.import_(state["tree"])
+        self.prompts.import_(state)
 
     def seed_trees(self, prompts: Sequence[Prompt], seed_key: tuple, policy_version: int) -> None:
         """Run-ahead (SRT): one response per prompt, sampled now, added to the prompts' token
@@ -296,10 +296,7 @@ class SpeculativeStage:
 
     def drop(self, prompt_ids: Iterable[str]) -> None:
         """Forget these prompts' drafts and trees (they moved to another stage)."""
-        prompt_ids = list(prompt_ids)
-        self.store.drop(prompt_ids)
-        if self.tree is not None:
-            self.tree.drop(prompt_ids)
+        self.prompts.drop(prompt_ids)
 
     # ---------------------------------------------------------------- drafts and verification
     def _draft(self, prompt: Prompt, slot: int) -> StoredRollout | None:
