@@ -93,7 +93,7 @@ def main() -> None:
     )
     trainer = Trainer(cfg)  # the built-in policy, tokenizer, data and engine
     start_ray(cfg.ray_kwargs.ray_init)
-    sampling = trainer.stage.sampling
+    sampling = trainer.rollouts.stage.sampling
     policy = trainer.actor.policy
     eos = eos_token_ids(policy, trainer.tokenizer)
     groups = {
@@ -120,7 +120,7 @@ def main() -> None:
             if k in sync_s:
                 sync_s[k].append(time.perf_counter() - start)
     R, n = cfg.data.max_response_length, cfg.rollout.n
-    local = SpeculativeStage(trainer.engine, sampling, R, cfg.rollout.spec)
+    local = SpeculativeStage(trainer.rollouts.engine, sampling, R, cfg.rollout.spec)
     torch.set_num_threads(1)  # as each worker runs
     history: dict[str, list[dict[str, float]]] = {arm: [] for arm in ARMS}
     identical = True
@@ -254,7 +254,7 @@ def step_scaling(
             )
             print(f"step {step} {arm}: {metrics['timing_s/step']:.2f} s", flush=True)
     for trainer in trainers.values():
-        trainer.workers.shutdown()
+        trainer.rollouts.shutdown()
         if isinstance(trainer.actor, LearnerGroup):
             trainer.actor.shutdown()
         trainer.lock.release()

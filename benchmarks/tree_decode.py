@@ -53,7 +53,7 @@ def main() -> None:
         ),
     }
     stages = {
-        name: SpeculativeStage(trainer.engine, trainer.stage.sampling, R, spec)
+        name: SpeculativeStage(trainer.rollouts.engine, trainer.rollouts.stage.sampling, R, spec)
         for name, spec in arms.items()
     }
     histories: dict[str, list[dict[str, float]]] = {name: [] for name in arms}

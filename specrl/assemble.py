@@ -22,6 +22,7 @@ from transformers import PreTrainedTokenizerBase
 from specrl.actor.critic import load_critic
 from specrl.actor.policy import load_actor
 from specrl.actor.update import Actor
+from specrl.backends import InProcessRollouts, RolloutBackend
 from specrl.checkpoint import (
     check_resumed_config,
     load_trainer_state,
@@ -33,7 +34,7 @@ from specrl.config import Config
 from specrl.data import PromptLoader, read_splits, tokenize_splits
 from specrl.distributed.learner import LearnerGroup
 from specrl.distributed.rollout import RolloutWorkers
-from specrl.engines import RolloutEngine, SamplingParams
+from specrl.engines import SamplingParams
 from specrl.engines.build import build_engine, logprobs_are_the_trainers
 from specrl.episodes.env import load_environment
 from specrl.episodes.runner import EpisodeLoop, EpisodeStage
@@ -57,8 +58,9 @@ def seed_everything(seed: int) -> None:
 
 @dataclass(eq=False)
 class Run:
-    """The parts of a run and where it stands. `engine` serves evaluation and `stage` the
-    training rollouts; with Ray rollout workers both are the workers."""
+    """The parts of a run and where it stands. `rollouts` is the rollout backend (in-process, or
+    Ray workers); `stage` rolls out training batches: the backend itself, or episodes whose turns
+    the in-process stage rolls out."""
 
     cfg: Config
     run_dir: Path
@@ -74,9 +76,8 @@ class Run:
     critic: Any  # Critic, the critic on the learner ranks, or None
     loader: PromptLoader
     val_prompts: list[Prompt]
-    engine: RolloutEngine | RolloutWorkers
-    stage: Any  # SpeculativeStage, EpisodeStage or RolloutWorkers
-    workers: RolloutWorkers | None
+    rollouts: RolloutBackend
+    stage: RolloutBackend | EpisodeStage
     episodes: EpisodeLoop | None
     rollout_logprobs_are_old_logprobs: bool
     total_steps: int
@@ -104,7 +105,7 @@ class Run:
     def validate(self) -> dict[str, float]:
         """Held-out metrics of the current policy (`val/*`)."""
         return evaluate(
-            self.engine,
+            self.rollouts,
             self.val_prompts,
             self.reward_fn,
             self.tokenizer,
@@ -119,13 +120,9 @@ class Run:
         that travel (in-process hf: 0, the model is shared; with LoRA the adapters, or for vLLM
         the merged weights)."""
         weights = rollout_weights(self.actor.policy, self.cfg.rollout.name)
-        if self.workers is None:
-            self.engine.load_weights(weights)
-            if self.cfg.rollout.name == "hf":
-                return 0
-        else:
-            self.workers.load_weights(weights, self.global_step + 1)
-        return state_bytes(weights)
+        self.rollouts.load_weights(weights, self.global_step + 1)
+        shared = self.cfg.rollout.name == "hf" and not self.cfg.rollout.num_workers
+        return 0 if shared else state_bytes(weights)
 
 
 def build_run(cfg: Config, tracker: Tracker | None = None) -> Run:
@@ -179,15 +176,18 @@ def build_run(cfg: Config, tracker: Tracker | None = None) -> Run:
     loader = PromptLoader(train, cfg.data.train_batch_size, cfg.data.shuffle, cfg.trainer.seed)
     sampling = SamplingParams(cfg.rollout.temperature, cfg.rollout.top_p, cfg.rollout.top_k)
     pad_id = tokenizer.pad_token_id
-    workers = None
-    if cfg.rollout.num_workers:  # the workers are both the engine and the stage
-        workers = RolloutWorkers(cfg, engine_dir, eos_ids, pad_id, sampling, log)
-        engine = stage = workers
+    rollouts: RolloutBackend
+    if cfg.rollout.num_workers:
+        rollouts = RolloutWorkers(cfg, engine_dir, eos_ids, pad_id, sampling, log)
     else:
         engine = build_engine(cfg, actor.policy, eos_ids, pad_id, engine_dir)
-        stage = SpeculativeStage(engine, sampling, cfg.data.max_response_length, cfg.rollout.spec)
+        R = cfg.data.max_response_length
+        rollouts = InProcessRollouts(
+            engine, SpeculativeStage(engine, sampling, R, cfg.rollout.spec)
+        )
+    stage: RolloutBackend | EpisodeStage = rollouts
     episodes = None
-    if env is not None:  # each rollout an episode, its turns rolled out by the stage
+    if env is not None:  # each rollout an episode, its turns rolled out by the in-process stage
         episodes = EpisodeLoop(
             env,
             tokenizer,
@@ -196,7 +196,7 @@ def build_run(cfg: Config, tracker: Tracker | None = None) -> Run:
             cfg.env.max_error_ratio,
             tracker.warn,
         )
-        stage = EpisodeStage(stage, episodes)
+        stage = EpisodeStage(rollouts.stage, episodes)
     steps = cfg.trainer.total_epochs * loader.steps_per_epoch
     run = Run(
         cfg=cfg,
@@ -213,15 +213,14 @@ def build_run(cfg: Config, tracker: Tracker | None = None) -> Run:
         critic=critic,
         loader=loader,
         val_prompts=val_prompts,
-        engine=engine,
+        rollouts=rollouts,
         stage=stage,
-        workers=workers,
         episodes=episodes,
         rollout_logprobs_are_old_logprobs=logprobs_are_the_trainers(cfg, sampling),
         total_steps=min(steps, cfg.trainer.total_training_steps or steps),
     )
     if state is not None:
         run.global_step = restore(resume_from, state, run.checkpointed())
-    if workers is not None:
+    if cfg.rollout.num_workers:  # the workers' engines loaded the initial weights
         run.sync_weights()
     return run

@@ -17,7 +17,6 @@ from specrl.algorithms.dapo import groups_with_signal
 from specrl.algorithms.rollout_correction import correction_weights
 from specrl.assemble import Run, build_run
 from specrl.config import Config, save_config
-from specrl.distributed.learner import LearnerGroup
 from specrl.errors import UserError
 from specrl.metrics import data_metrics, logprob_mismatch, timed, value_metrics
 from specrl.rewards import RewardFunctionError, Scores, score_rollouts
@@ -77,10 +76,8 @@ class Trainer(Run):
                         )
         finally:
             gc.unfreeze()
-            if self.workers is not None:
-                self.workers.shutdown()
-            if isinstance(self.actor, LearnerGroup):
-                self.actor.shutdown()
+            self.rollouts.shutdown()
+            self.actor.shutdown()
             self.tracker.close()
             self.lock.release()
         return self.tracker.summary(self.run_dir)
@@ -112,10 +109,10 @@ class Trainer(Run):
         rollouts, scores = self.collect_rollouts(metrics)
         if cfg.rollout.run_ahead:  # workers seed the next batch's trees during the update
             next_key = (cfg.trainer.seed, self.global_step + 1, "run-ahead")
-            self.workers.run_ahead(self.loader.peek(), next_key, self.global_step)
+            self.rollouts.run_ahead(self.loader.peek(), next_key, self.global_step)
         batch = self.train_batch(rollouts, scores, metrics)
         if cfg.rollout.enable_sleep_mode:  # the trainer gets the GPU memory during the update
-            self.engine.sleep()
+            self.rollouts.sleep()
         with timed(metrics, "update_actor"):
             seed = cfg.trainer.seed * 1_000_003 + self.global_step
             metrics.update(self.actor.update(batch, cfg.rollout.n, seed).metrics())
@@ -123,7 +120,7 @@ class Trainer(Run):
             with timed(metrics, "update_critic"):
                 metrics.update(self.critic.update(batch, cfg.rollout.n, seed).metrics())
         if cfg.rollout.enable_sleep_mode:
-            self.engine.wake_up()
+            self.rollouts.wake_up()
         with timed(metrics, "sync"):
             metrics["sync/weight_bytes"] = self.sync_weights()
         metrics["timing_s/step"] = time.perf_counter() - step_start

@@ -291,6 +291,10 @@ class Actor:
     def update(self, batch: TrainBatch, group_size: int, seed: int) -> ActorStats:
         return ActorStats.of([self.update_shares(batch, group_size, seed)])
 
+    def shutdown(self) -> None:
+        """Nothing to stop: the actor lives in this process (as `LearnerGroup.shutdown` stops
+        the learner ranks)."""
+
     def weights(self) -> dict[str, torch.Tensor]:
         """What the update changed: the policy's full state dict, or with LoRA its adapters
         (every rank calls; with K > 1 only rank 0 gets them)."""

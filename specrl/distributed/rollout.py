@@ -1,9 +1,9 @@
 """Rollout workers on Ray, driven by the trainer (single controller).
 
-`RolloutWorkers` stands where the in-process `SpeculativeStage` and engine stand: called with a
-batch of prompts it returns their rollouts and a `RolloutStats`; `load_weights` publishes new
-weights; `generate` serves evaluation; `state_dict` / `load_state_dict` are the stage's format, so
-a run saved with N workers resumes with 0, 1 or M.
+`RolloutWorkers` is a rollout backend (backends.py), as the in-process engine and stage are:
+called with a batch of prompts it returns their rollouts and a `RolloutStats`; `load_weights`
+publishes new weights; `generate` serves evaluation; `state_dict` / `load_state_dict` are the
+stage's format, so a run saved with N workers resumes with 0, 1 or M.
 
 Each worker owns a shard of prompts (their drafts and trees). Per call the planner keeps prompts
 on their owner within the balance slack and moves the rest with their state. Every call returns
