@@ -1,8 +1,8 @@
 """The PPO update of the policy, and the `Actor` that holds what it changes.
 
-`mini_batch_update` (the actor's and the critic's loop) runs `ppo_epochs` passes over a step's
-rollouts; each pass splits them into mini-batches (one optimizer step each) and those into
-micro-batches (gradient accumulation); `actor_loss` is the actor's loss of a micro-batch.
+`ppo_update` is `mini_batch_update` (the actor's and the critic's loop: `ppo_epochs` passes over
+a step's rollouts, each split into mini-batches, one optimizer step each, and those into
+micro-batches, gradient accumulation) with `actor_loss`, the actor's loss of a micro-batch.
 Every micro-batch's loss is its share of its mini-batch's loss (`AggScale`), so the update does
 not depend on `ppo_micro_batch_size`, nor on how many learner ranks share each mini-batch
 (data_parallel.py).
@@ -168,6 +168,31 @@ def mini_batch_update(
     return UpdateShares(per_mini, skipped, scheduler.get_last_lr()[0])
 
 
+def ppo_update(
+    model: PreTrainedModel,
+    optimizer: torch.optim.Optimizer,
+    scheduler: torch.optim.lr_scheduler.LRScheduler,
+    batch: TrainBatch,
+    cfg: ActorConfig,
+    clip: ClipConfig,
+    temperature: float,
+    group_size: int,
+    generator: torch.Generator,
+    rank: Rank = SINGLE,
+) -> UpdateShares:
+    """The actor's update of `model` on `batch` (old logprobs, advantages and, where used,
+    reference logprobs and importance weights filled in): `actor_loss` over the actor's
+    mini-batching (`actor.ppo_epochs`, `ppo_mini_batch_size` prompts of `group_size` rollouts,
+    `ppo_micro_batch_size`, `grad_clip`)."""
+    plan = MiniBatching(
+        cfg.ppo_epochs, cfg.ppo_mini_batch_size, cfg.ppo_micro_batch_size, cfg.grad_clip
+    )
+    loss_fn = actor_loss(model, cfg, clip, temperature)
+    return mini_batch_update(
+        model, optimizer, scheduler, batch, plan, loss_fn, group_size, generator, rank
+    )
+
+
 def actor_loss(
     model: torch.nn.Module, cfg: ActorConfig, clip: ClipConfig, temperature: float
 ) -> LossFn:
@@ -272,17 +297,14 @@ class Actor:
 
     def update_shares(self, batch: TrainBatch, group_size: int, seed: int) -> UpdateShares:
         """This rank's part of the update (all of it with one rank)."""
-        cfg = self.cfg
-        plan = MiniBatching(
-            cfg.ppo_epochs, cfg.ppo_mini_batch_size, cfg.ppo_micro_batch_size, cfg.grad_clip
-        )
-        return mini_batch_update(
+        return ppo_update(
             self.policy,
             self.optimizer,
             self.scheduler,
             batch,
-            plan,
-            actor_loss(self.policy, cfg, self.clip, self.temperature),
+            self.cfg,
+            self.clip,
+            self.temperature,
             group_size,
             torch.Generator().manual_seed(seed),
             self.rank,
