@@ -32,7 +32,8 @@ class LoraTargetError(UserError):
 
 
 class BaseModelError(UserError):
-    """A LoRA checkpoint whose base model is missing or is not the one it was trained on."""
+    """A checkpoint resumed as a LoRA one that is not, or whose adapters were trained on another
+    base model."""
 
 
 def with_adapters(

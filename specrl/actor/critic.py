@@ -132,16 +132,12 @@ class Critic:
         """`critic.ppo_epochs` passes of mini-batches (`ppo_mini_batch_size` prompts of
         `group_size` rollouts) over `batch`, whose `values` and `returns` are filled in: this
         rank's token-balanced part of each (all of it with one rank)."""
-        cfg = self.cfg
-        plan = MiniBatching(
-            cfg.ppo_epochs, cfg.ppo_mini_batch_size, cfg.ppo_micro_batch_size, cfg.grad_clip
-        )
         return mini_batch_update(
             self.model,
             self.optimizer,
             self.scheduler,
             batch,
-            plan,
+            MiniBatching.of(self.cfg),
             self._loss,
             group_size,
             torch.Generator().manual_seed(seed),

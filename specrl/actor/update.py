@@ -33,7 +33,7 @@ from specrl.actor.data_parallel import (
     wrap,
 )
 from specrl.algorithms.losses import POLICY_LOSSES, AggScale, ClipConfig, agg_loss, kl_penalty
-from specrl.config import ActorConfig, OptimConfig
+from specrl.config import ActorConfig, CriticConfig, OptimConfig
 from specrl.lora import peft_model, trained_weights
 
 
@@ -113,6 +113,12 @@ class MiniBatching:
     micro_batch: int
     grad_clip: float
 
+    @classmethod
+    def of(cls, cfg: ActorConfig | CriticConfig) -> MiniBatching:
+        """The actor's or the critic's: `ppo_epochs`, `ppo_mini_batch_size`,
+        `ppo_micro_batch_size`, `grad_clip`."""
+        return cls(cfg.ppo_epochs, cfg.ppo_mini_batch_size, cfg.ppo_micro_batch_size, cfg.grad_clip)
+
 
 # a micro-batch (on the model's device) and its mini-batch's totals → its loss share and the
 # terms to log
@@ -184,13 +190,11 @@ def ppo_update(
     reference logprobs and importance weights filled in): `actor_loss` over the actor's
     mini-batching (`actor.ppo_epochs`, `ppo_mini_batch_size` prompts of `group_size` rollouts,
     `ppo_micro_batch_size`, `grad_clip`)."""
-    plan = MiniBatching(
-        cfg.ppo_epochs, cfg.ppo_mini_batch_size, cfg.ppo_micro_batch_size, cfg.grad_clip
-    )
     loss_fn = actor_loss(model, cfg, clip, temperature)
     return mini_batch_update(
-        model, optimizer, scheduler, batch, plan, loss_fn, group_size, generator, rank
-    )
+        model, optimizer, scheduler, batch, MiniBatching.of(cfg), loss_fn, group_size, generator,
+        rank,
+    )  # fmt: skip
 
 
 def actor_loss(

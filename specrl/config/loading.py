@@ -14,7 +14,7 @@ from pydantic import BaseModel, ValidationError
 from specrl.config.schema import Config
 from specrl.config.section import ConfigError
 
-# verl's spellings of our keys: dotted prefix → ours
+# verl's spellings of our keys: a key or a dotted prefix → ours (keys first: the first match wins)
 VERL_ALIASES = {
     "actor_rollout_ref.model.lora_rank": "actor.lora.rank",
     "actor_rollout_ref.model.lora_alpha": "actor.lora.alpha",
