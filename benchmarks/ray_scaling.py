@@ -149,7 +149,7 @@ def main() -> None:
                 stage.run_ahead(trainer.loader.peek(), ("ray-bench-ahead", round_), 0)
                 stage.collect_run_ahead()
                 history[arm][-1]["run_ahead_s"] = time.perf_counter() - start
-                history[arm][-1]["tree_draft_tokens"] = stats.tree_draft_tokens
+                history[arm][-1]["drafted_tokens"] = stats.drafted_tokens
             print(f"round {round_} {arm}: {wall:.2f} s", flush=True)
         identical &= all(t == tokens[0] for t in tokens)
     for group in groups.values():

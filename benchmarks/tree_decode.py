@@ -79,11 +79,11 @@ def main() -> None:
                     v["rollout_s"] / m["rollout_s"]
                     for v, m in zip(histories["vanilla"], h, strict=True)
                 ],
-                "mean_accepted_per_forward": [
-                    m.get("spec/tree/mean_accepted_per_forward", 1.0) for m in h
+                "tokens_per_forward": [
+                    m.get("spec/decode_drafts/tokens_per_forward", 1.0) for m in h
                 ],
-                "acceptance_rate": [m.get("spec/tree/acceptance_rate", 0.0) for m in h],
-                "mean_width": [m.get("spec/tree/mean_width", 0.0) for m in h],
+                "acceptance_rate": [m.get("spec/decode_drafts/accept_rate", 0.0) for m in h],
+                "mean_width": [m.get("spec/decode_drafts/mean_width", 0.0) for m in h],
             }
             for name, h in histories.items()
         },
@@ -104,7 +104,7 @@ def main() -> None:
         histories,
         [
             ("rollout_s", "rollout time per round (s)"),
-            ("spec/tree/mean_accepted_per_forward", "tokens per sequence per decode forward"),
+            ("spec/decode_drafts/tokens_per_forward", "tokens per sequence per decode forward"),
         ],
         out / "tree_decode.png",
     )

@@ -38,6 +38,7 @@ from specrl.engines import SamplingParams
 from specrl.engines.build import build_engine, logprobs_are_the_trainers
 from specrl.episodes.env import load_environment
 from specrl.episodes.runner import EpisodeLoop, EpisodeStage
+from specrl.errors import UserError
 from specrl.evaluation import evaluate
 from specrl.lora import base_identity, check_base, rollout_weights, state_bytes
 from specrl.models import eos_token_ids, resolve_model_path
@@ -125,6 +126,21 @@ class Run:
         return 0 if shared else state_bytes(weights)
 
 
+def trainer_device(cfg: Config) -> torch.device:
+    """Where the trainer's process runs its models: its GPU when the run asks for GPUs and has
+    one learner rank (`trainer.n_gpus_per_node=1`: the actor, the critic and the in-process
+    engine, which follows the policy), else the CPU (several ranks place themselves). Checked
+    before any model loads."""
+    if not cfg.trainer.n_gpus_per_node or cfg.learner_ranks > 1:
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise UserError(
+            f"trainer.n_gpus_per_node={cfg.trainer.n_gpus_per_node} trains on a GPU, and torch "
+            f"{torch.__version__} sees none; set trainer.n_gpus_per_node=0 to train on CPUs"
+        )
+    return torch.device("cuda")
+
+
 def build_run(cfg: Config, tracker: Tracker | None = None) -> Run:
     """The `Run` that `cfg` describes (resumed from its checkpoint when there is one), built in
     the order of the module's docstring."""
@@ -149,6 +165,7 @@ def build_run(cfg: Config, tracker: Tracker | None = None) -> Run:
             run_dir, cfg.model_dump(mode="json"), state["global_step"], tracker.warn
         )
     # what needs no model first: a bad file, function or environment stops before any load
+    device = trainer_device(cfg)
     splits = read_splits(cfg.data, cfg.trainer.seed)
     reward_fn = load_reward_functions(cfg.custom_reward_function, cfg.reward_model.timeout_s)
     env = load_environment(cfg.env.path, cfg.env.name, cfg.env.timeout_s) if cfg.episodes else None
@@ -167,10 +184,11 @@ def build_run(cfg: Config, tracker: Tracker | None = None) -> Run:
         actor = LearnerGroup(cfg, model_dir, initial, log)
         tokenizer = actor.tokenizer
     else:
-        actor, tokenizer = load_actor(cfg, model_dir, initial, log)
+        actor, tokenizer = load_actor(cfg, model_dir, initial, log, device=device)
     critic = None
     if cfg.algorithm.adv_estimator == "gae":  # on the learner ranks next to the actor, or here
-        critic = actor.critic if isinstance(actor, LearnerGroup) else load_critic(cfg, initial)
+        on_ranks = isinstance(actor, LearnerGroup)
+        critic = actor.critic if on_ranks else load_critic(cfg, initial, device=device)
     eos_ids = eos_token_ids(actor.policy, tokenizer)
     train, val_prompts = tokenize_splits(splits, tokenizer, cfg.data, log)
     loader = PromptLoader(train, cfg.data.train_batch_size, cfg.data.shuffle, cfg.trainer.seed)

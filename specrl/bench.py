@@ -6,7 +6,7 @@ default), trie (every slot walks its prompt's history trie, `reuse=trie`, always
 rule, its default unless drafts are verified in decoding; tree drafts as configured), spec-in-decoding (spec
 with `rollout.spec.verify_mode=decoding`: stored drafts verified inside decoding, exact rule), tree (specrl's token-tree drafts only), spec+tree (both, whatever the
 config), suffix (vLLM's own suffix decoding, `rollout.spec.tree.method=suffix`, no prefix reuse:
-the anchor on the vllm engine) and spec+suffix (prefix reuse verified by a scoring pass, the
+the anchor on the vllm engine) and spec+suffix (prefix reuse verified by a verification pass, the
 rest drafted by vLLM's suffix decoding); the default is vanilla, spec and trie, `--arms`
 picks others.
 `--seeds 1,2,3` trains every arm once per seed: one run's final accuracy on a small held-out set
@@ -31,6 +31,7 @@ from typing import Any
 import torch
 import transformers
 
+from specrl.assemble import trainer_device
 from specrl.config import Config, ConfigError, validated
 from specrl.cost_model import ModelShape
 from specrl.engines.hf import HFEngine
@@ -67,7 +68,7 @@ BENCH_PANELS = [
     ("critic/score/mean", "reward (critic/score/mean)"),
     ("spec/reused_token_ratio", "reused token ratio"),
 ]
-TREE_PANEL = ("spec/tree/mean_accepted_per_forward", "tokens per sequence per decode forward")
+TREE_PANEL = ("spec/decode_drafts/tokens_per_forward", "tokens per sequence per decode forward")
 
 
 def parse_arms(text: str) -> tuple[str, ...]:
@@ -151,8 +152,8 @@ def run_bench(
 def timing_warnings(result: dict[str, Any], load: dict[str, list[float]], cores: int) -> list[str]:
     """What makes the timings of a bench untrustworthy: a machine already busy when it started
     (1-minute load average ≥ half the cores), busier than the runs themselves make it (≥ 1.5x
-    the cores after a run), or an arm faster than its own limit `1 / ((1 − a) + r_eff · a)`,
-    which only a disturbed vanilla arm produces."""
+    the cores after a run), or an arm faster per response token than its own limit
+    `1 / ((1 − a) + r_eff · a)`, which only a disturbed vanilla arm produces."""
     warnings = []
     if load["start"][0] >= cores / 2:
         warnings.append(
@@ -165,10 +166,14 @@ def timing_warnings(result: dict[str, Any], load: dict[str, list[float]], cores:
             f"the machine was busier than the bench makes it after {', '.join(busy)} (1-minute "
             f"load average ≥ {1.5 * cores:g} on {cores} cores): other work disturbed the timings"
         )
+    vanilla_tokens = result["arms"]["vanilla"]["response_tokens"]
     for arm, summary in result["arms"].items():
-        if arm != "vanilla" and summary["rollout_speedup"] > 1.02 * summary["limit_speedup"]:
+        # the limit holds per response token: arms that train apart sample responses of their
+        # own lengths (on a real model, visibly)
+        speedup = summary["rollout_speedup"] * summary["response_tokens"] / max(vanilla_tokens, 1)
+        if arm != "vanilla" and speedup > 1.02 * summary["limit_speedup"]:
             warnings.append(
-                f"the {arm} arm's rollout speedup {summary['rollout_speedup']:.2f} exceeds its "
+                f"the {arm} arm's rollout speedup per response token {speedup:.2f} exceeds its "
                 f"limit {summary['limit_speedup']:.2f}: the vanilla arm was slowed by something "
                 "else; rerun alone"
             )
@@ -179,12 +184,12 @@ def _check_cost_model(
     cfg: Config, runs: dict[str, list[list[dict[str, float]]]], shape: ModelShape, model_dir: Path
 ) -> dict[str, Any]:
     """The cost model on this machine: constants from timed calls of a transformers engine on
-    the bench's policy (the arms' threads), every arm's time in engine calls predicted from its
-    steps."""
+    the bench's policy (the arms' threads and device), every arm's time in engine calls
+    predicted from its steps."""
     policy, tokenizer = load_policy(model_dir, cfg.model.dtype)
     engine = HFEngine(
-        policy.eval(), eos_token_ids(policy, tokenizer), tokenizer.pad_token_id,
-        cfg.rollout.max_batch_size,
+        policy.eval().to(trainer_device(cfg)), eos_token_ids(policy, tokenizer),
+        tokenizer.pad_token_id, cfg.rollout.max_batch_size,
     )  # fmt: skip
     steps = {
         arm: [s for h in histories for s in recorded_steps(h)] for arm, histories in runs.items()
@@ -242,7 +247,7 @@ def summarize(
     decode_s = vanilla.gen_s / max(vanilla.decoded_tokens, 1)  # vanilla's seconds per token
     for arm, total in totals.items():
         a = total.ratios()["spec/reused_token_ratio"]
-        # r_eff: seconds of verification (the scoring pass, or the trie pass and walk) per
+        # r_eff: seconds of verification (the verification pass, or the trie pass and walk) per
         # reused token, over vanilla's seconds per decoded token
         r_eff = total.verify_s / max(total.reused_tokens, 1) / decode_s
         per_step = len(steps[arm]) or 1
@@ -254,6 +259,7 @@ def summarize(
             "final_acc": _mean(final[arm]),
             "final_acc_per_seed": final[arm],
             "second_half_acc": _mean([_second_half(h, heldout) for h in runs[arm]]),
+            "response_tokens": total.response_tokens,
             "decoded_tokens": total.decoded_tokens,
             "decoded_token_ratio": total.decoded_tokens / max(vanilla.decoded_tokens, 1),
             "reused_token_ratio": a,
@@ -268,13 +274,13 @@ def summarize(
         }
         if "spec" in totals and arm != "spec":
             summary["rollout_speedup_vs_spec"] = totals["spec"].rollout_s / total.rollout_s
-        if total.tree:
+        if total.decode_drafts:
             ratios = total.ratios()
-            summary["mean_accepted_per_forward"] = ratios["spec/tree/mean_accepted_per_forward"]
-            summary["tree_draft_tokens"] = total.tree_draft_tokens
-            summary["tree_accepted_tokens"] = total.tree_accepted_tokens
-            summary["tree_acceptance_rate"] = ratios["spec/tree/acceptance_rate"]
-            summary["tree_mean_width"] = ratios["spec/tree/mean_width"]
+            summary["tokens_per_forward"] = ratios["spec/decode_drafts/tokens_per_forward"]
+            summary["drafted_tokens"] = total.drafted_tokens
+            summary["accepted_draft_tokens"] = total.accepted_draft_tokens
+            summary["accept_rate"] = ratios["spec/decode_drafts/accept_rate"]
+            summary["mean_width"] = ratios["spec/decode_drafts/mean_width"]
             summary["tree_nodes_max"] = max(m.get("spec/tree/nodes", 0) for m in steps[arm])
         summary.update(_episodes(steps[arm]))
         result["arms"][arm] = summary

@@ -35,7 +35,7 @@ def main(argv: list[str] | None = None) -> int:
             return _model(args.name, args.force)
         if args.command == "data":
             return _data(args)
-        return _toy_policy(args.force, args.task)
+        return _toy_policy(args)
     except RunInterrupted as stopped:
         print(f"specrl: {stopped}", file=sys.stderr)
         return stopped.exit_code
@@ -154,6 +154,24 @@ def build_parser() -> argparse.ArgumentParser:
         choices=typing.get_args(DataConfig.model_fields["task"].annotation),
         help="the built-in task whose warm-start policy to build (data.task; default noisy_facts)",
     )
+    for flag, field, what in (
+        ("--hidden-size", "hidden_size", "model width"),
+        ("--layers", "num_layers", "transformer layers"),
+        ("--heads", "num_heads", "attention heads"),
+        ("--sft-steps", "sft_steps", "warm-start steps"),
+    ):
+        toy.add_argument(
+            flag,
+            type=int,
+            dest=field,
+            help=f"{what} (default: the built-in policy's; another builds into the cache)",
+        )
+    toy.add_argument(
+        "--device",
+        default="cpu",
+        choices=["cpu", "cuda"],
+        help="where to build (default cpu); the weights are saved the same way",
+    )
     model = commands.add_parser(
         "model",
         help="print the directory of a built-in pretrained model (model.path=builtin:NAME), "
@@ -268,10 +286,26 @@ def _export(checkpoint: str, out: str, base: str | None) -> int:
     return 0
 
 
-def _toy_policy(force: bool, task: str) -> int:
+def _toy_policy(args: argparse.Namespace) -> int:
+    import torch
+
     from specrl.toy_policy import ToyPolicySpec, ensure_toy_policy
 
-    print(ensure_toy_policy(ToyPolicySpec(task=task), force=force))
+    sizes = ("hidden_size", "num_layers", "num_heads", "sft_steps")
+    spec = ToyPolicySpec(
+        task=args.task, **{k: getattr(args, k) for k in sizes if getattr(args, k) is not None}
+    )
+    if min(spec.hidden_size, spec.num_layers, spec.num_heads) < 1:
+        raise UserError("--hidden-size, --layers and --heads must be at least 1")
+    if spec.sft_steps < 20:  # the one-cycle schedule warms up over a tenth of them
+        raise UserError(f"--sft-steps {spec.sft_steps}: the warm start needs at least 20")
+    if spec.hidden_size % spec.num_heads:
+        raise UserError(
+            f"--hidden-size {spec.hidden_size} is not a multiple of --heads {spec.num_heads}"
+        )
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise UserError(f"--device cuda: torch {torch.__version__} sees no GPU")
+    print(ensure_toy_policy(spec, force=args.force, log=_note, device=args.device))
     return 0
 
 

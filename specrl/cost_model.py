@@ -200,10 +200,10 @@ def step_seconds(counts: ForwardCounts, model: ModelShape, device: Device) -> fl
 def stretched(counts: ForwardCounts, factor: float) -> ForwardCounts:
     """The step with responses `factor` times longer, prompts unchanged: decode forwards,
     positions and drafts scale with the length, KV reads and attended pairs with its square
-    (responses much longer than prompts); prefills stay; scoring passes (whole responses)
+    (responses much longer than prompts); prefills stay; verification passes (whole responses)
     scale as decoding's work but keep their number of forwards."""
     scaled = {}
-    for kind in ("decode", "score"):
+    for kind in ("decode", "verify"):
         linear = ["rows", "positions"] + (
             ["forwards", "draft_positions"] if kind == "decode" else []
         )

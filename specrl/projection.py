@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import copy
 import json
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import asdict
@@ -26,6 +27,7 @@ from specrl.engines import GenRequest, LogprobRequest, SamplingParams, TrieReque
 from specrl.engines.accounting import ForwardCounts
 from specrl.engines.hf import HFEngine
 from specrl.errors import UserError
+from specrl.run_dir import read_metrics_jsonl
 
 CHECK_TOLERANCE = 0.15  # the cost model must predict each arm's engine time this well
 
@@ -160,7 +162,9 @@ def bench_steps(bench_dir: Path) -> tuple[dict[str, Any], dict[str, Steps]]:
             metrics = run / "metrics.jsonl"
             if not metrics.is_file():
                 raise UserError(f"{bench_dir}: the {arm} arm's {metrics} is missing")
-            history = [json.loads(line) for line in metrics.read_text().splitlines() if line]
+            history = read_metrics_jsonl(
+                metrics, lambda m: print(f"specrl: warning: {m}", file=sys.stderr)
+            )
             arms.setdefault(arm, []).extend(recorded_steps(history))
     if not any(arms.values()):
         raise UserError(f"{bench_dir}: its runs recorded no forwards (perf/*): rerun the bench")

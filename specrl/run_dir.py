@@ -109,14 +109,39 @@ def _move_earlier_run_aside(run_dir: Path, log: Callable[[str], None]) -> None:
     )
 
 
+# metrics renamed since runs were first written (old name → current): the drafts verified in
+# decoding, named by what they count whatever proposed them (trees, stored drafts, vLLM's suffix
+# decoding), and the verification forwards. Records are read under the current names, so
+# `specrl report`, resuming and projections read old runs as new ones.
+RENAMED_METRICS = {
+    f"spec/tree/{old}": f"spec/decode_drafts/{new}"
+    for old, new in {
+        "forwards": "forwards",
+        "output_tokens": "output_tokens",
+        "draft_tokens": "drafted_tokens",
+        "accepted_tokens": "accepted_tokens",
+        "width_forwards": "width_forwards",
+        "width_sum": "width_sum",
+        "acceptance_estimate": "accept_rate_estimate",
+        "mean_accepted_per_forward": "tokens_per_forward",
+        "acceptance_rate": "accept_rate",
+        "mean_width": "mean_width",
+    }.items()
+} | {
+    f"perf/score/{quantity}": f"perf/verify/{quantity}"
+    for quantity in ("forwards", "rows", "positions", "kv_reads", "attended")
+}
+
+
 def read_metrics_jsonl(path: Path, warn: Callable[[str], None]) -> list[dict[str, float]]:
-    """The records of a metrics.jsonl. An unparsable last line is dropped with a warning (a run
-    killed while writing it); an unparsable line before the last is an error."""
+    """The records of a metrics.jsonl, every metric under its current name (`RENAMED_METRICS`).
+    An unparsable last line is dropped with a warning (a run killed while writing it); an
+    unparsable line before the last is an error."""
     lines = [(n, line) for n, line in enumerate(path.read_text().splitlines(), 1) if line.strip()]
     records = []
     for i, (number, line) in enumerate(lines):
         try:
-            records.append(json.loads(line))
+            records.append({RENAMED_METRICS.get(k, k): v for k, v in json.loads(line).items()})
         except json.JSONDecodeError:
             if i < len(lines) - 1:
                 raise UserError(

@@ -208,18 +208,16 @@ class Trainer(Run):
             else:
                 batch.old_logprobs = self.actor.logprobs(batch)
         metrics.update(logprob_mismatch(batch.old_logprobs, rollout_logprobs, batch.response_mask))
+        off_policy = any(r.behaviour_logprobs is not None for r in rollouts)
         behaviour = batch.pad_responses(  # what each token was sampled with
-            [
-                r.current_logprobs if r.behaviour_logprobs is None else r.behaviour_logprobs
-                for r in rollouts
-            ]
+            [r.behaviour_logprobs or r.current_logprobs for r in rollouts]
         )
         batch.is_weights, corrected = correction_weights(
             batch.old_logprobs,
             behaviour,
             batch.response_mask,
             cfg.algorithm.rollout_correction,
-            cfg.rollout.spec,
+            off_policy,
         )
         metrics.update(corrected)
         if cfg.actor.use_kl_loss:

@@ -6,7 +6,6 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from functools import cached_property
 from typing import Any, Literal
 
 # stop / length: how a response (or an episode's last turn) ended; max_turns / env_error: how an
@@ -33,18 +32,17 @@ def token_digest(ids: Sequence[int]) -> str:
 
 @dataclass(frozen=True)
 class Prompt:
-    """Token ids to roll out from. `key` replaces the hash of the ids as the prompt id where the
-    ids are not what identifies the prompt: a turn of an episode is keyed by its episode's prompt
-    id and turn number (its context holds the earlier turns, which change every epoch)."""
+    """Token ids to roll out from. `prompt_id`: what its drafts and history trie are kept under,
+    a hash of the ids unless given. A turn of an episode is given `<episode's prompt id>/turn<t>`:
+    its context holds the earlier turns, which change every epoch, so its ids cannot identify it."""
 
     ids: tuple[int, ...]
     example: Example
-    key: str | None = None
+    prompt_id: str = ""  # "": a hash of the ids
 
-    @cached_property
-    def prompt_id(self) -> str:
-        """Stable key: a hash of the token ids (not the dataset position, not the step)."""
-        return self.key if self.key is not None else token_digest(self.ids)
+    def __post_init__(self) -> None:
+        if not self.prompt_id:
+            object.__setattr__(self, "prompt_id", token_digest(self.ids))
 
 
 @dataclass(frozen=True)

@@ -76,18 +76,22 @@ def test_yaml_then_overrides(tmp_path):
 
 
 @pytest.mark.parametrize(
-    ("overrides", "level"),
+    ("overrides", "off_policy", "level"),
     [
-        ([], None),  # the default exact rule: rollouts are the policy's samples
-        (["rollout.spec.enabled=false"], None),  # vanilla: the engine's logprobs are the policy's
-        (["rollout.spec.acceptance=specrl"], "sequence"),  # the lenient rule's samples are not
-        (["rollout.spec.acceptance=specrl", "algorithm.rollout_correction.rollout_is=null"], None),
-        (["algorithm.rollout_correction.rollout_is=token"], "token"),
+        ([], False, None),  # the policy's samples (exact rule, vanilla): unweighted
+        (["rollout.spec.acceptance=specrl"], True, "sequence"),  # the lenient rule's are not
+        (
+            ["rollout.spec.acceptance=specrl", "algorithm.rollout_correction.rollout_is=null"],
+            True,
+            None,
+        ),
+        (["algorithm.rollout_correction.rollout_is=token"], False, "token"),
     ],
 )
-def test_rollout_is_auto_weighs_sequences_only_under_the_lenient_rule(overrides, level):
+def test_rollout_is_auto_weighs_sequences_only_of_off_policy_rollouts(overrides, off_policy, level):
+    """`auto` is decided by the rollouts: whether they carry behaviour logprobs of their own."""
     cfg = load_config(None, overrides)
-    assert cfg.algorithm.rollout_correction.level(cfg.rollout.spec) == level
+    assert cfg.algorithm.rollout_correction.level(off_policy) == level
 
 
 @pytest.mark.parametrize(
@@ -301,7 +305,7 @@ def test_nccl_weight_sync_needs_one_learner_rank(monkeypatch):
     ranks = [*workers, "trainer.n_gpus_per_node=2"]
     assert resolve_backend(load_config(None, ranks)) == "object_store"
     with pytest.raises(UserError, match="one learner rank"):
-        resolve_backend(load_config(None, [*ranks, "rollout.checkpoint_engine.backend=nccl"]))
+        load_config(None, [*ranks, "rollout.checkpoint_engine.backend=nccl"])
 
 
 @pytest.mark.parametrize(

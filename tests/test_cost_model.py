@@ -51,8 +51,8 @@ def test_a_step_costs_its_forwards_at_the_larger_of_compute_and_memory():
     counts = ForwardCounts()
     # 10 decode forwards of 64 rows, each row reading 1000 KV entries: memory-bound
     counts.record("decode", 640, 640, 640_000, 640_000, forwards=10)
-    # one scoring pass of 8192 positions: compute-bound
-    counts.record("score", 64, 8192, 8192, 8192 * 128)
+    # one verification pass of 8192 positions: compute-bound
+    counts.record("verify", 64, 8192, 8192, 8192 * 128)
     decode_memory = (shape.weight_bytes + shape.kv_bytes_per_token * 64_000) / (3.35e12 * 0.8)
     decode_compute = (shape.flops_per_position * 64 + shape.flops_per_pair * 64_000) / (
         989e12 * 0.6
@@ -88,14 +88,14 @@ def test_stretched_responses_scale_decoding_and_keep_prefills():
     counts = ForwardCounts()
     counts.record("prefill", 8, 100, 100, 5050)
     counts.record("decode", 80, 90, 2000, 2100, draft_positions=10, forwards=10)
-    counts.record("score", 8, 50, 50, 1275)
+    counts.record("verify", 8, 50, 50, 1275)
     long = stretched(counts, 20)
     assert (long.prefill_positions, long.prefill_forwards) == (100, 1)
     assert (long.decode_forwards, long.decode_positions, long.decode_draft_positions) == (
         200, 1800, 200,
     )  # fmt: skip
-    assert (long.decode_kv_reads, long.score_attended) == (2000 * 400, 1275 * 400)
-    assert (long.score_forwards, long.score_positions) == (1, 1000)
+    assert (long.decode_kv_reads, long.verify_attended) == (2000 * 400, 1275 * 400)
+    assert (long.verify_forwards, long.verify_positions) == (1, 1000)
 
 
 def test_bench_checks_the_cost_model_and_project_prices_its_trace(
@@ -117,8 +117,8 @@ def test_bench_checks_the_cost_model_and_project_prices_its_trace(
         assert arm["measured_s"] == pytest.approx(result["arms"][name]["engine_time_s"])
     steps = [m for m in read_metrics(out / "trie") if m["training/global_step"] > 0]
     perf = result["arms"]["trie"]["perf"]  # bench.json: each arm's forwards summed
-    assert perf["perf/score/forwards"] == sum(m["perf/score/forwards"] for m in steps) > 0
-    assert result["arms"]["vanilla"]["perf"]["perf/score/forwards"] == 0
+    assert perf["perf/verify/forwards"] == sum(m["perf/verify/forwards"] for m in steps) > 0
+    assert result["arms"]["vanilla"]["perf"]["perf/verify/forwards"] == 0
     config = json.loads((tiny_policy_dir / "config.json").read_text())
     assert result["model_shape"]["vocab"] == config["vocab_size"]
     capsys.readouterr()

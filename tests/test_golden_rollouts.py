@@ -95,7 +95,7 @@ def test_rollouts_match_the_golden_hashes(peaked_policy_dir, tmp_path, arm):
     if arm != "vanilla":
         assert all(m["spec/reused_tokens"] > 0 and m["spec/decoded_tokens"] > 0 for m in later)
     if "tree" in arm:
-        assert sum(m["spec/tree/accepted_tokens"] for m in later) > 0
+        assert sum(m["spec/decode_drafts/accepted_tokens"] for m in later) > 0
     hashes, logprobs = GOLDEN[arm]
     assert "-".join(d for d, _ in digests) == hashes
     assert [s for _, s in digests] == pytest.approx(logprobs, rel=1e-5)

@@ -1,4 +1,8 @@
+import json
+
 from specrl.cli import main
+from specrl.run_dir import RENAMED_METRICS, read_metrics_jsonl
+from specrl.speculative.stats import RolloutStats
 from specrl.trainer import Trainer
 from tests.conftest import png_panels, small_config
 
@@ -18,6 +22,26 @@ def test_report_plots_and_summarises_a_run(tiny_policy_dir, tmp_path, capsys):
     out = capsys.readouterr().out
     assert png_panels(tmp_path / "report.png") == 3  # five panels, two per row
     assert "val/acc/mean@1 first → last" in out and "spec/reused_token_ratio, whole run" in out
+
+
+def test_a_run_written_under_old_metric_names_reads_as_a_new_one(tiny_policy_dir, tmp_path, capsys):
+    """Renamed metrics (spec/tree/* → spec/decode_drafts/*) keep old runs readable: the same
+    run's metrics.jsonl written under the old names gives the same records and report."""
+    Trainer(small_config(tiny_policy_dir, tmp_path, "trainer.total_training_steps=5")).fit()
+    path = tmp_path / "metrics.jsonl"
+    new = read_metrics_jsonl(path, print)
+    assert RolloutStats.of_steps(new).drafted_tokens > 0  # tree drafts: renamed metrics logged
+    capsys.readouterr()
+    assert main(["report", str(tmp_path)]) == 0
+    report_new = capsys.readouterr().out
+    old_names = {current: old for old, current in RENAMED_METRICS.items()}
+    path.write_text(
+        "".join(json.dumps({old_names.get(k, k): v for k, v in m.items()}) + "\n" for m in new)
+    )
+    assert "spec/tree/draft_tokens" in path.read_text()
+    assert read_metrics_jsonl(path, print) == new
+    assert main(["report", str(tmp_path)]) == 0
+    assert capsys.readouterr().out == report_new
 
 
 def test_report_on_a_directory_without_metrics(tmp_path, capsys):

@@ -50,3 +50,25 @@ def test_only_its_home_imports_a_heavy_library(library, home):
         if module.split(".")[0] == library and not where(path).startswith(home)
     ]
     assert outside == []
+
+
+def test_no_module_is_over_450_lines_and_the_loop_fits_in_250():
+    lines = {where(p): len(p.read_text().splitlines()) for p in MODULES}
+    assert {m: n for m, n in lines.items() if n > 450} == {}
+    assert lines["trainer.py"] <= 250
+
+
+def test_the_design_doc_module_map_names_every_module():
+    """docs/design.md's module map names every module: by its path, or its file name on its
+    package's line."""
+    design = (PACKAGE.parent / "docs" / "design.md").read_text()
+    module_map = design.split("## Module map", 1)[1].split("```")[1]
+    words = set(module_map.replace(",", " ").replace("(", " ").replace(")", " ").split())
+    missing = [
+        where(p)
+        for p in MODULES
+        if p.name != "__init__.py"
+        and where(p) not in words
+        and not (p.name in words and f"{p.parent.relative_to(PACKAGE).as_posix()}/" in words)
+    ]
+    assert missing == []

@@ -152,7 +152,7 @@ def test_rollout_logprobs_handed_to_the_trainer_equal_recomputed_old_logprobs(
         assert torch.allclose(handed, recomputed, atol=1e-4)
     assert metrics.get("spec/reused_token_ratio", 0.0) == (1.0 if spec else 0.0)
     if tree:  # some of the handed logprobs come from multi-token verification forwards
-        assert metrics["spec/tree/accepted_tokens"] > 0
+        assert metrics["spec/decode_drafts/accepted_tokens"] > 0
 
 
 def test_speculative_training_reuses_drafts_from_the_second_epoch(tiny_policy_dir, tmp_path):
@@ -179,8 +179,9 @@ def test_speculative_training_reuses_drafts_from_the_second_epoch(tiny_policy_di
 
 
 def test_data_reward_and_environment_are_checked_before_any_model_loads(tmp_path, capsys):
-    """With a model path that cannot load, a bad data line, a missing reward function or a
-    missing environment is still what the one-line error names: they are checked first."""
+    """With a model path that cannot load, a bad data line, a missing reward function, a
+    missing environment or an absent GPU is still what the one-line error names: they are
+    checked first."""
     from specrl.cli import main
 
     bad = tmp_path / "bad.jsonl"
@@ -196,6 +197,8 @@ def test_data_reward_and_environment_are_checked_before_any_model_loads(tmp_path
         ([f"data.train_files={good}", f"data.val_files={good}",
           f"env.path={tmp_path / 'no_env.py'}"], "no_env.py"),
     ]  # fmt: skip
+    if not torch.cuda.is_available():  # a GPU asked for where there is none
+        cases.append((["trainer.n_gpus_per_node=1"], "trainer.n_gpus_per_node=1 trains on a GPU"))
     for overrides, named in cases:
         assert main(["train", *base, *overrides]) == 2
         err = capsys.readouterr().err.strip().splitlines()

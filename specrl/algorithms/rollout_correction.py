@@ -9,7 +9,7 @@ from typing import Literal
 
 import torch
 
-from specrl.config import RolloutCorrectionConfig, SpecConfig
+from specrl.config import RolloutCorrectionConfig
 
 
 def rollout_is_weights(
@@ -34,10 +34,11 @@ def correction_weights(
     behaviour_logprobs: torch.Tensor,
     mask: torch.Tensor,
     cfg: RolloutCorrectionConfig,
-    spec: SpecConfig,
+    off_policy: bool,
 ) -> tuple[torch.Tensor | None, dict[str, float]]:
-    """The weights [B, T] in effect for this run (None: unweighted) and their mean per token."""
-    level = cfg.level(spec)
+    """The weights [B, T] in effect for this batch (None: unweighted) and their mean per token;
+    `off_policy`: its rollouts carry behaviour logprobs of their own."""
+    level = cfg.level(off_policy)
     if level is None:
         return None, {}
     weights = rollout_is_weights(

@@ -100,6 +100,10 @@ class Config(Section):
                 f"actor.ppo_mini_batch_size ({self.actor.ppo_mini_batch_size}) must not exceed "
                 f"data.train_batch_size ({self.data.train_batch_size})"
             )
+        return self
+
+    @model_validator(mode="after")
+    def _check_groups(self) -> Config:
         if self.rollout.n < 2 and self.algorithm.adv_estimator in GROUP_BASELINES:
             raise ValueError(
                 f"rollout.n=1 with algorithm.adv_estimator={self.algorithm.adv_estimator} gives "
@@ -111,6 +115,10 @@ class Config(Section):
                 "algorithm.filter_groups drops groups whose scores are all equal, and a group "
                 "of one always is: set rollout.n >= 2"
             )
+        return self
+
+    @model_validator(mode="after")
+    def _check_engine(self) -> Config:
         if self.rollout.enable_sleep_mode and self.rollout.name != "vllm":
             raise ValueError("rollout.enable_sleep_mode needs rollout.name=vllm")
         if self.rollout.run_ahead and not (
@@ -121,6 +129,18 @@ class Config(Section):
                 "rollout.num_workers >= 1 and token-tree drafts (rollout.spec.tree.enabled "
                 "auto with speculation on, or true)"
             )
+        backend = self.rollout.checkpoint_engine.backend
+        gpu_workers = self.rollout.name == "vllm" and self.rollout.num_gpus_per_worker > 0
+        if backend == "nccl" and not (gpu_workers and self.learner_ranks == 1):
+            raise ValueError(
+                "rollout.checkpoint_engine.backend=nccl needs vLLM rollout workers on GPUs "
+                "(rollout.name=vllm, rollout.num_gpus_per_worker >= 1) and the policy on a GPU in "
+                "the trainer's process (one learner rank); use object_store (or auto) here"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _check_speculation(self) -> Config:
         spec = self.rollout.spec
         if spec.verify_mode == "decoding" and spec.acceptance != "exact":
             raise ValueError(
@@ -151,6 +171,10 @@ class Config(Section):
                 "which rollout.spec.tree.method=suffix replaces with vLLM's: set "
                 "rollout.spec.verify_mode=full, or tree.method=specrl"
             )
+        return self
+
+    @model_validator(mode="after")
+    def _check_placement(self) -> Config:
         if self.trainer.n_gpus_per_node and self.actor.num_workers > 1:
             raise ValueError(
                 "set either actor.num_workers (learner ranks on CPUs) or trainer.nnodes x "
@@ -161,16 +185,16 @@ class Config(Section):
                 "multi-turn episodes (env.path or data.task=calculator) run in the trainer's "
                 "process: set rollout.num_workers=0 (learner ranks, actor.num_workers, work)"
             )
+        if self.trainer.nnodes > 1 and not self.trainer.n_gpus_per_node:
+            raise ValueError(
+                "trainer.nnodes counts GPU nodes: set trainer.n_gpus_per_node too (on CPUs, "
+                "actor.num_workers sets the learner ranks)"
+            )
         rewards = self.custom_reward_function
         rewards = rewards if isinstance(rewards, list) else [rewards]
         if self.episodes and any(r.path is not None for r in rewards):
             raise ValueError(
                 "an episode's score is its environment's rewards: unset custom_reward_function "
                 "with env.path or data.task=calculator (score inside the environment's step)"
-            )
-        if self.trainer.nnodes > 1 and not self.trainer.n_gpus_per_node:
-            raise ValueError(
-                "trainer.nnodes counts GPU nodes: set trainer.n_gpus_per_node too (on CPUs, "
-                "actor.num_workers sets the learner ranks)"
             )
         return self

@@ -7,7 +7,6 @@ from typing import Literal
 
 from pydantic import Field
 
-from specrl.config.rollout import SpecConfig
 from specrl.config.section import Section
 
 
@@ -148,18 +147,20 @@ class RolloutCorrectionConfig(Section):
         "auto",
         description="truncated importance sampling of the trainer's policy over what tokens were "
         "sampled with: the engine's logprobs, or the lenient specrl rule's own probabilities; "
-        "auto: sequence when the lenient specrl rule reuses drafts, else off (null)",
+        "auto: sequence when the rollouts carry behaviour logprobs of their own (the lenient "
+        "specrl rule sampled them), else off (null)",
     )
     rollout_is_threshold: float = Field(
         2.0, gt=0.0, description="upper bound of the rollout importance weights"
     )
 
-    def level(self, spec: SpecConfig) -> Literal["token", "sequence"] | None:
-        """The weighting in effect: `auto` weighs whole sequences where the lenient rule decided
-        tokens (its samples are not the policy's), and nothing otherwise."""
+    def level(self, off_policy: bool) -> Literal["token", "sequence"] | None:
+        """The weighting in effect for rollouts that carry behaviour logprobs of their own
+        (`off_policy`: the lenient rule sampled them) or not: `auto` weighs whole sequences of
+        the former and nothing otherwise."""
         if self.rollout_is != "auto":
             return self.rollout_is
-        return "sequence" if spec.enabled and spec.acceptance == "specrl" else None
+        return "sequence" if off_policy else None
 
 
 # the estimators whose baseline is the prompt's group: a group of one (rollout.n=1) learns nothing

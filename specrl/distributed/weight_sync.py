@@ -24,16 +24,16 @@ from specrl.errors import UserError
 
 
 def resolve_backend(cfg: Config) -> str:
-    """The backend `rollout.checkpoint_engine.backend` names, with `auto` resolved."""
+    """The backend `rollout.checkpoint_engine.backend` names, with `auto` resolved (the config
+    checked the combination of keys; what remains is whether this process has a GPU)."""
     backend = cfg.rollout.checkpoint_engine.backend
     gpu_workers = cfg.rollout.name == "vllm" and cfg.rollout.num_gpus_per_worker > 0
     gpu_trainer = torch.cuda.is_available() and cfg.learner_ranks == 1
     if backend == "auto":
         return "nccl" if gpu_workers and gpu_trainer else "object_store"
-    if backend == "nccl" and not (gpu_workers and gpu_trainer):
+    if backend == "nccl" and not torch.cuda.is_available():
         raise UserError(
-            "rollout.checkpoint_engine.backend=nccl needs vLLM rollout workers on GPUs "
-            "(rollout.name=vllm, rollout.num_gpus_per_worker >= 1) and the policy on a GPU in "
-            "the trainer's process (one learner rank); use object_store (or auto) here"
+            "rollout.checkpoint_engine.backend=nccl broadcasts from the trainer's GPU, and this "
+            "process has none; use object_store (or auto) here"
         )
     return backend

@@ -4,7 +4,7 @@ Every engine keeps a running `ForwardCounts` (`engine.counts`); the stage record
 grew over a call in its `RolloutStats`, logged per step as `perf/<kind>/<quantity>`:
 
 - kinds: `prefill` (contexts before decoding), `decode` (one token per sequence, plus the
-  draft tokens verified in the same forward), `score` (scoring passes: verification, trie
+  draft tokens verified in the same forward), `verify` (verification passes: drafts, trie
   nodes, behaviour logprobs; on the transformers engine the context is recomputed with them);
 - quantities: `forwards` (model calls, one after another: the latency path of the kind),
   `rows` (sequences, summed over forwards), `positions` (token positions computed, padding
@@ -22,7 +22,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
 
-KINDS = ("prefill", "decode", "score")
+KINDS = ("prefill", "decode", "verify")
 
 
 @dataclass
@@ -38,11 +38,11 @@ class ForwardCounts:
     decode_draft_positions: int = 0
     decode_kv_reads: int = 0
     decode_attended: int = 0
-    score_forwards: int = 0
-    score_rows: int = 0
-    score_positions: int = 0
-    score_kv_reads: int = 0
-    score_attended: int = 0
+    verify_forwards: int = 0
+    verify_rows: int = 0
+    verify_positions: int = 0
+    verify_kv_reads: int = 0
+    verify_attended: int = 0
 
     def record(
         self,

@@ -80,7 +80,7 @@ class GenRequest:
 @dataclass
 class GenResult:
     token_ids: list[int]
-    logprobs: list[float]  # behaviour logprob of each new token
+    logprobs: list[float]  # each new token's current logprob (under the sampling distribution)
     finish_reason: FinishReason
     forwards: int = 0  # decode forwards this request took part in
     draft_tokens: int = 0  # draft tokens verified for it (draft_decoding, own_drafts)

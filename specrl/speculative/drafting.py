@@ -53,20 +53,22 @@ class DraftWidth:
         adaptive: bool = True,
         ragged: bool = False,
         cost_decay: float = 0.98,
-        acceptance_decay: float = 0.8,
+        accept_rate_decay: float = 0.8,
     ) -> None:
         self.max_tokens = max_tokens
         self.adaptive = adaptive
         self.ragged = ragged
         self.cost_decay = cost_decay  # the cost of a forward drifts slowly
-        self.acceptance_decay = acceptance_decay  # acceptance moves fast (a new round of trees)
+        self.accept_rate_decay = (
+            accept_rate_decay  # the accept rate moves fast (a new round of trees)
+        )
         self._sums = np.zeros((3, 4))  # weighted sums of x·[x, t] over forwards, x = (1, B, E)
         self._drafted = 0.0  # weighted count of forwards that verified drafts
         self._trials, self._accepted = 0.0, 0.0  # decayed evidence; α = (accepted+1)/(trials+2)
         self.choices: Counter[int] = Counter()  # K chosen per forward, since the last reset
 
     @property
-    def acceptance(self) -> float:
+    def accept_rate(self) -> float:
         return (self._accepted + 1) / (self._trials + 2)
 
     def cost(self) -> tuple[float, float, float | None] | None:
@@ -104,7 +106,7 @@ class DraftWidth:
         c0, cs, cd = cost
         if cd is None:  # drafts not measured lately: verify one per sequence
             return 1
-        alpha = min(self.acceptance, 0.999)
+        alpha = min(self.accept_rate, 0.999)
         caps = np.minimum(np.asarray(lengths), longest)[None, :]
         widths = np.arange(longest + 1)[:, None]
         expected = (1 - alpha ** (np.minimum(caps, widths) + 1)) / (1 - alpha)  # [K+1, B]
@@ -125,8 +127,8 @@ class DraftWidth:
         drifts back to the prior 1/2 (acceptance changes abruptly, e.g. when prompts with older
         trees come up)."""
         trials = sum(a + (a < p) for p, a in zip(proposed, accepted, strict=True) if p > 0)
-        self._trials = self.acceptance_decay * self._trials + trials
-        self._accepted = self.acceptance_decay * self._accepted + sum(accepted)
+        self._trials = self.accept_rate_decay * self._trials + trials
+        self._accepted = self.accept_rate_decay * self._accepted + sum(accepted)
 
     def state_dict(self) -> dict[str, Any]:
         return {

@@ -17,9 +17,9 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 import time
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -34,107 +34,18 @@ from specrl.engines import (
     RolloutEngine,
     SamplingParams,
     TrieRequest,
-    TrieScores,
 )
 from specrl.engines.sampling import seeded_uniform
 from specrl.errors import UserError
 from specrl.rollouts import SlotRequest, rollout_seed, sample_rollouts
-from specrl.speculative.acceptance import (
-    accept_mask,
-    cut_indices,
-    log_acceptance,
-    specrl_behaviour_logprobs,
-)
+from specrl.speculative.acceptance import acceptance_rule
 from specrl.speculative.drafting import Drafting, DraftWidth, StoredDrafts, TreeDrafts
 from specrl.speculative.prompt_state import PromptState
+from specrl.speculative.slots import Slot, Verified, common_prefix, walk_trie
 from specrl.speculative.stats import RolloutStats
 from specrl.speculative.store import RolloutStore, StoredRollout
-from specrl.speculative.tree import ROOT, PromptTree, TokenTree
-from specrl.types import FinishReason, Prompt, Rollout
-
-
-@dataclass
-class Verified:
-    """Outcome of verifying one draft: the cut index and the current logprobs of the draft tokens
-    scored (all of them, or up to the cut's chunk in chunked verification)."""
-
-    cut: int
-    scored: list[float]
-
-    @property
-    def kept_logprobs(self) -> list[float]:
-        """Current logprobs of the kept tokens, draft[:cut]."""
-        return self.scored[: self.cut]
-
-
-@dataclass
-class Walked:
-    """A slot's walk down its prompt's history trie: the tokens it took from the trie with their
-    current logprobs, and its finish reason when the walk ended the rollout (it reached an
-    end-of-sequence node, or its token budget); None when it left the trie and decodes on, then
-    with `excluded`: the tokens its next one may not be (the children of the node it left at,
-    when the engine's scores are not coupled with its decoding)."""
-
-    token_ids: list[int]
-    logprobs: list[float]
-    finish_reason: FinishReason | None
-    excluded: tuple[int, ...] = ()
-
-
-def walk_trie(
-    tree: PromptTree,
-    scores: TrieScores,
-    uniforms: np.ndarray,
-    budget: int,
-    eos_token_ids: frozenset[int],
-) -> Walked:
-    """One slot's walk: at response position t it takes the child of its node whose interval
-    holds the slot's uniform for t (`uniforms` [budget]), scaled by the node's total, and moves
-    down; where no child's does it leaves the trie. With coupled scores that is the token
-    vanilla decoding would draw there, and decoding draws that same token next; otherwise the
-    next token is drawn from the residual without the node's children."""
-    node, tokens, logprobs = ROOT, [], []
-    while len(tokens) < budget:
-        target = uniforms[len(tokens)] * scores.total[node]
-        children = tree.children[node]
-        child = next(
-            (c for c in children.values() if scores.low[c] < target <= scores.high[c]), None
-        )
-        if child is None:
-            excluded = () if scores.coupled else tuple(children)
-            return Walked(tokens, logprobs, None, excluded)
-        node = child
-        tokens.append(tree.token[node])
-        logprobs.append(float(scores.logprobs[node]))
-        if tree.token[node] in eos_token_ids:
-            return Walked(tokens, logprobs, "stop")
-    return Walked(tokens, logprobs, "length")
-
-
-@dataclass
-class _Slot:
-    """One slot of a call as it moves through the stage."""
-
-    prompt: Prompt
-    slot: int
-    seed: int
-    budget: int  # most tokens of its rollout
-    reuse: bool = True  # may reuse earlier responses (its stored draft, or its prompt's trie)
-    draft: StoredRollout | None = None
-    verified: Verified | None = None
-    walked: Walked | None = None
-
-    @property
-    def kept(self) -> list[int]:
-        if self.walked is not None:
-            return self.walked.token_ids
-        return [] if self.verified is None else self.draft.token_ids[: self.verified.cut].tolist()
-
-    @property
-    def kept_logprobs(self) -> list[float]:
-        if self.walked is not None:
-            return self.walked.logprobs
-        return [] if self.verified is None else self.verified.kept_logprobs
+from specrl.speculative.tree import TokenTree
+from specrl.types import Prompt, Rollout
 
 
 class SpeculativeStage:
@@ -146,7 +57,8 @@ class SpeculativeStage:
         cfg: SpecConfig,
     ) -> None:
         capabilities = engine.capabilities
-        if cfg.enabled and cfg.acceptance == "exact" and not capabilities.residual_sampling:
+        self.rule = acceptance_rule(cfg)
+        if cfg.enabled and self.rule.exact and not capabilities.residual_sampling:
             raise UserError(
                 "rollout.spec.acceptance=exact needs an engine that samples from residuals; "
                 "use rollout.spec.acceptance=specrl on this engine"
@@ -200,7 +112,8 @@ class SpeculativeStage:
 
     @property
     def lenient(self) -> bool:
-        return self.cfg.enabled and self.cfg.acceptance == "specrl"
+        """Whether the lenient rule decides tokens (its rollouts carry behaviour logprobs)."""
+        return self.cfg.enabled and not self.rule.exact
 
     def __call__(
         self, prompts: Sequence[Prompt], n: int, seed_key: tuple, policy_version: int
@@ -218,11 +131,11 @@ class SpeculativeStage:
         computed = copy.copy(self.engine.counts)
         stats = RolloutStats(
             speculative=self.cfg.enabled,
-            tree=self.counts_drafts,
+            decode_drafts=self.counts_drafts,
             lenient=self.lenient,
         )
         slots = [
-            _Slot(
+            Slot(
                 q.prompt,
                 q.slot,
                 rollout_seed(*seed_key, q.prompt.prompt_id, q.slot),
@@ -258,7 +171,8 @@ class SpeculativeStage:
         rollouts = [self._assemble(s, results.get(i), policy_version) for i, s in enumerate(slots)]
         if self.lenient:
             behaviour_start = time.perf_counter()
-            rollouts = self._lenient_behaviour(slots, rollouts, stats)
+            score = functools.partial(self._logprobs_where_left, stats)
+            rollouts = self.rule.behaviour(slots, rollouts, score, stats)
             stats.verify_s += time.perf_counter() - behaviour_start
         if self.cfg.enabled and not self.walks:
             for r in rollouts:
@@ -306,7 +220,7 @@ class SpeculativeStage:
         return draft if draft is not None and len(draft) > 0 else None
 
     def _verify(
-        self, slots: list[_Slot], seed_key: tuple, prefixes: Prefixes | None, stats: RolloutStats
+        self, slots: list[Slot], seed_key: tuple, prefixes: Prefixes | None, stats: RolloutStats
     ) -> None:
         """Set the cut index and current logprobs of every slot with a draft. `full` scores every
         draft token in one pass; `chunked` scores verify_chunk_size tokens per pass and drops each
@@ -319,7 +233,7 @@ class SpeculativeStage:
         ]
         whole = max((len(target) for _, target in active), default=0)
         chunk = self.cfg.verify_chunk_size if self.cfg.verify_mode == "chunked" else whole
-        scored: dict[int, list[float]] = {}  # current logprobs of each draft's verified tokens
+        verified: dict[int, list[float]] = {}  # current logprobs of each draft's verified tokens
         offset = 0
         while active:
             requests = [
@@ -334,24 +248,24 @@ class SpeculativeStage:
             for (i, _), logprobs in zip(active, chunk_scores, strict=True):
                 old = slots[i].draft.current_logprobs[offset : offset + len(logprobs)]
                 stats.logprob_drift_sum += float(np.abs(logprobs.numpy() - old).sum())
-                scored.setdefault(i, []).extend(logprobs.tolist())
+                verified.setdefault(i, []).extend(logprobs.tolist())
                 stats.verified_tokens += len(logprobs)
-            cuts = self._cuts(
-                [scored[i] for i, _ in active],
+            cuts = self.rule.cuts(
+                [verified[i] for i, _ in active],
                 [slots[i].draft.current_logprobs for i, _ in active],
                 [rollout_seed(*seed_key, slots[i].prompt.prompt_id, slots[i].slot, "verify")
                  for i, _ in active],
             )  # fmt: skip
             still = []
             for (i, target), k in zip(active, cuts, strict=True):
-                if k < len(scored[i]) or len(scored[i]) == len(target):
-                    slots[i].verified = Verified(k, scored[i])
+                if k < len(verified[i]) or len(verified[i]) == len(target):
+                    slots[i].verified = Verified(k, verified[i])
                 else:
                     still.append((i, target))
             active, offset = still, offset + chunk
         stats.verify_s += time.perf_counter() - started
 
-    def _walk(self, slots: list[_Slot], prefixes: Prefixes | None, stats: RolloutStats) -> None:
+    def _walk(self, slots: list[Slot], prefixes: Prefixes | None, stats: RolloutStats) -> None:
         """Score the history trie of every prompt (context) with slots that may reuse, in one
         pass, and walk each such slot down it (`walk_trie`), with the uniforms of its seed
         at its response positions: what vanilla decoding would draw there."""
@@ -386,23 +300,8 @@ class SpeculativeStage:
             s.walked = walk_trie(tree, trie, uniforms[row], s.budget, self.engine.eos_token_ids)
         stats.verify_s += time.perf_counter() - started
 
-    def _cuts(self, new: list[list[float]], old: list[np.ndarray], seeds: list[int]) -> list[int]:
-        """The acceptance rule over a batch of verified prefixes (ragged → padded [B, T])."""
-        lengths = torch.tensor([len(x) for x in new])
-        width = int(lengths.max())
-        new_t = torch.zeros(len(new), width, dtype=torch.float64)
-        old_t = torch.zeros(len(new), width, dtype=torch.float64)
-        for row, (x, y) in enumerate(zip(new, old, strict=True)):
-            new_t[row, : len(x)] = torch.tensor(x, dtype=torch.float64)
-            old_t[row, : len(x)] = torch.from_numpy(y[: len(x)]).double()
-        uniforms = seeded_uniform(
-            torch.tensor(seeds)[:, None], torch.arange(width)[None, :]
-        )  # [B, T]
-        accepted = accept_mask(new_t, old_t, uniforms, self.cfg.acceptance, self.cfg.log_lenience)
-        return cut_indices(accepted, lengths).tolist()
-
     # ---------------------------------------------------------------- decoding
-    def _continuation(self, s: _Slot) -> GenRequest | None:
+    def _continuation(self, s: Slot) -> GenRequest | None:
         """What is left to decode for a slot, or None when its draft is reused whole."""
         R = s.budget
         if s.walked is not None:  # decodes on from the node where it left the trie, if it did
@@ -418,9 +317,7 @@ class SpeculativeStage:
         whole = cut == len(s.draft)
         if whole and (s.draft.finish_reason == "stop" or cut >= R):
             return None
-        excluded = ()
-        if not whole and self.cfg.acceptance == "exact" and cut < R:
-            excluded = (int(s.draft.token_ids[cut]),)
+        excluded = () if whole or cut >= R else self.rule.residual(int(s.draft.token_ids[cut]))
         return GenRequest(s.prompt.ids, R - cut, self.sampling, s.seed, s.kept, excluded)
 
     def _generate(
@@ -446,7 +343,7 @@ class SpeculativeStage:
         return out
 
     def _drafting(
-        self, slots: list[_Slot], requests: dict[int, GenRequest], stats: RolloutStats
+        self, slots: list[Slot], requests: dict[int, GenRequest], stats: RolloutStats
     ) -> Drafting | None:
         """The engine's drafter for this call: token trees for what is decoded, after each
         slot's stored draft when drafts are verified inside decoding; None when there is
@@ -460,9 +357,7 @@ class SpeculativeStage:
         stored = [None if d is None else d.token_ids[:budget] for d, budget in drafts]
         return Drafting(StoredDrafts(stored, trees), self.draft_width)
 
-    def _tree_drafts(
-        self, slots: list[_Slot], requests: dict[int, GenRequest]
-    ) -> TreeDrafts | None:
+    def _tree_drafts(self, slots: list[Slot], requests: dict[int, GenRequest]) -> TreeDrafts | None:
         """Add the responses reused whole to their trees (they are final already), and draft
         from the trees: none when every tree the requests would draft from is empty and stays
         so (prompts rolled out for the first time, without online trees)."""
@@ -480,7 +375,7 @@ class SpeculativeStage:
             self.tree, prompt_ids, [r.prefix_ids for r in requests.values()], self.cfg.tree.online
         )
 
-    def _cut_in_decoding(self, slots: list[_Slot], results: dict[int, GenResult]) -> None:
+    def _cut_in_decoding(self, slots: list[Slot], results: dict[int, GenResult]) -> None:
         """Drafts verified inside decoding: a slot keeps the longest prefix of its draft that
         its response starts with (under the exact rule a response leaves its draft exactly
         where a draft token is rejected), and its result is split there, as if it had been
@@ -489,14 +384,14 @@ class SpeculativeStage:
             s = slots[i]
             if s.draft is None:
                 continue
-            cut = _common_prefix(r.token_ids, s.draft.token_ids[: s.budget])
+            cut = common_prefix(r.token_ids, s.draft.token_ids[: s.budget])
             s.verified = Verified(cut, r.logprobs[:cut])
             results[i] = dataclasses.replace(
                 r, token_ids=r.token_ids[cut:], logprobs=r.logprobs[cut:]
             )
 
     # ---------------------------------------------------------------- assemble
-    def _assemble(self, s: _Slot, result: GenResult | None, version: int) -> Rollout:
+    def _assemble(self, s: Slot, result: GenResult | None, version: int) -> Rollout:
         kept_logprobs = s.kept_logprobs
         if result is None:  # reused whole
             if s.walked is not None:
@@ -513,106 +408,33 @@ class SpeculativeStage:
             version,
         )
 
-    def _lenient_behaviour(
-        self, slots: list[_Slot], rollouts: list[Rollout], stats: RolloutStats
-    ) -> list[Rollout]:
-        """The rollouts with the behaviour logprobs of every drafted one
-        (`specrl_behaviour_logprobs`). The current logprob of the draft token where a response
-        first leaves its draft is known from verification, except past the chunks chunked
-        verification scored: those are scored here, in one batch."""
-        drafted = [i for i, s in enumerate(slots) if s.verified is not None]
-        matched = {
-            i: _common_prefix(rollouts[i].token_ids, slots[i].draft.token_ids) for i in drafted
-        }
-        leaves = [
-            i for i in drafted if matched[i] < min(len(rollouts[i].token_ids), len(slots[i].draft))
-        ]
-        mismatch = {
-            i: slots[i].verified.scored[matched[i]]
-            for i in leaves
-            if matched[i] < len(slots[i].verified.scored)
-        }
-        unscored = [i for i in leaves if i not in mismatch]
-        requests = [
-            LogprobRequest(
-                [*slots[i].prompt.ids, *rollouts[i].token_ids[: matched[i]]],
-                [int(slots[i].draft.token_ids[matched[i]])],
-                self.sampling,
-            )
-            for i in unscored
-        ]
-        extra = self._timed(stats, self.engine.logprobs, requests) if requests else []
-        mismatch.update({i: float(lp[0]) for i, lp in zip(unscored, extra, strict=True)})
-        # α of the draft tokens each response follows, then of the one where it leaves its draft,
-        # for all rollouts at once (flat)
-        new = [
-            [*rollouts[i].current_logprobs[: matched[i]], *([mismatch[i]] if i in mismatch else [])]
-            for i in drafted
-        ]
-        old = [slots[i].draft.current_logprobs[: len(x)] for i, x in zip(drafted, new, strict=True)]
-        log_alpha = log_acceptance(
-            torch.tensor([p for x in new for p in x], dtype=torch.float64),
-            torch.from_numpy(np.concatenate(old or [np.zeros(0)])).double(),
-            "specrl",
-            self.cfg.log_lenience,
-        ).tolist()
-        out, start = list(rollouts), 0
-        for i, x in zip(drafted, new, strict=True):
-            r = rollouts[i]
-            behaviour = specrl_behaviour_logprobs(
-                r.current_logprobs, matched[i], log_alpha[start : start + len(x)]
-            )
-            start += len(x)
-            stats.behaviour_gap_sum += sum(
-                abs(q - p) for q, p in zip(behaviour, r.current_logprobs, strict=True)
-            )
-            stats.behaviour_gap_tokens += len(behaviour)
-            out[i] = dataclasses.replace(r, behaviour_logprobs=behaviour)
-        return out
+    def _logprobs_where_left(
+        self, stats: RolloutStats, pairs: list[tuple[list[int], int]]
+    ) -> list[float]:
+        """The current logprob of each (context, token): where lenient responses left their
+        drafts past what verification computed."""
+        if not pairs:
+            return []
+        requests = [LogprobRequest(context, [token], self.sampling) for context, token in pairs]
+        return [float(lp[0]) for lp in self._timed(stats, self.engine.logprobs, requests)]
 
     def _count(
         self,
         stats: RolloutStats,
-        slots: list[_Slot],
+        slots: list[Slot],
         rollouts: list[Rollout],
         results: dict[int, GenResult],
         version: int,
     ) -> None:
-        stats.rollouts += len(rollouts)
-        drafted = [s for s in slots if s.verified is not None]
-        walked = [s for s in slots if s.walked is not None]
-        stats.drafts += len(drafted) + len(walked)
-        stats.draft_age_sum += sum(version - s.draft.policy_version for s in drafted)
-        # reused whole: not decoded, or (verified in decoding) nothing decoded past the draft
-        stats.fully_reused += len(rollouts) - sum(bool(r.token_ids) for r in results.values())
-        stats.reused_tokens += sum(s.verified.cut for s in drafted)
-        stats.reused_tokens += sum(len(s.walked.token_ids) for s in walked)
-        stats.decoded_tokens += sum(len(r.token_ids) for r in results.values())
-        stats.slowest_forwards += max((r.forwards for r in results.values()), default=0)
-        stats.response_tokens += sum(len(r.token_ids) for r in rollouts)
+        stats.count(slots, rollouts, results, version, self.counts_drafts, self.in_decoding)
         stats.store_entries = len(self.store)
         stats.store_tokens = self.store.num_tokens
         stats.store_bytes = self.store.nbytes
-        if self.counts_drafts:
-            for i, r in results.items():
-                stats.tree_forwards += r.forwards
-                stats.tree_output_tokens += len(r.token_ids)
-                stats.tree_draft_tokens += r.draft_tokens
-                stats.tree_accepted_tokens += r.accepted_tokens
-                if self.in_decoding and slots[i].verified is not None:
-                    stats.tree_output_tokens += slots[i].verified.cut  # decoded, then kept
         if self.tree_drafts or self.in_decoding:  # specrl's drafts: its width controller
             for k, forwards in self.draft_width.reset_choices().items():
-                stats.tree_width_forwards += forwards
-                stats.tree_width_sum += k * forwards
-            stats.tree_acceptance_estimate = self.draft_width.acceptance
+                stats.width_forwards += forwards
+                stats.width_sum += k * forwards
+            stats.accept_rate_estimate = self.draft_width.accept_rate
         if self.tree is not None:
             stats.tree_nodes = self.tree.nodes
             stats.tree_prompts = len(self.tree)
-
-
-def _common_prefix(tokens: Sequence[int], draft: np.ndarray) -> int:
-    """How many leading tokens of a response equal its draft's (a numpy array)."""
-    n = min(len(tokens), len(draft))
-    differ = (np.asarray(tokens[:n]) != draft[:n]).nonzero()[0]
-    return int(differ[0]) if len(differ) else n

@@ -12,10 +12,16 @@ from __future__ import annotations
 import functools
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, fields
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from specrl.engines.accounting import ForwardCounts
+
+if TYPE_CHECKING:
+    from specrl.engines import GenResult
+    from specrl.speculative.slots import Slot
+    from specrl.types import Rollout
 
 GAUGE = {"gauge": True}
 
@@ -27,21 +33,21 @@ class RolloutStats:
     fully_reused: int = 0  # rollouts reused whole: nothing decoded
     reused_tokens: int = 0  # draft tokens kept (the cut index k, summed)
     decoded_tokens: int = 0  # tokens decoded by the engine
-    verified_tokens: int = 0  # draft tokens scored by verification
+    verified_tokens: int = 0  # draft tokens (or trie nodes) verification computed
     draft_age_sum: int = 0  # Σ over drafts of the updates since the draft was rolled out
     logprob_drift_sum: float = 0.0  # Σ over verified tokens of |log p_new − log p_old|
     response_tokens: int = 0
     behaviour_gap_sum: float = 0.0  # Σ |log q − log p| over the tokens of drafted rollouts
     behaviour_gap_tokens: int = 0  # (lenient specrl rule only)
-    tree_forwards: int = 0  # decode forwards with drafts, summed over sequences
-    tree_output_tokens: int = 0  # tokens those forwards produced
-    tree_draft_tokens: int = 0
-    tree_accepted_tokens: int = 0
-    tree_width_forwards: int = 0  # forwards for which the draft width K was chosen
-    tree_width_sum: int = 0  # Σ K over them
+    draft_forwards: int = 0  # decode forwards with drafts, summed over sequences
+    draft_output_tokens: int = 0  # tokens those forwards produced
+    drafted_tokens: int = 0  # draft tokens those forwards verified (trees, stored or vLLM's)
+    accepted_draft_tokens: int = 0  # of which accepted
+    width_forwards: int = 0  # forwards for which the draft width K was chosen
+    width_sum: int = 0  # Σ K over them
     tree_evicted_nodes: int = 0
-    trie_nodes: int = 0  # history-trie nodes scored (reuse=trie)
-    trie_prompts: int = 0  # tries scored: prompts (or turn contexts) with a history
+    trie_nodes: int = 0  # history-trie nodes verified (reuse=trie)
+    trie_prompts: int = 0  # tries verified: prompts (or turn contexts) with a history
     slowest_forwards: int = 0  # Σ over calls of the most decode forwards one slot took
     verify_s: float = 0.0
     gen_s: float = 0.0
@@ -57,11 +63,11 @@ class RolloutStats:
     store_bytes: int = field(default=0, metadata=GAUGE)
     speculative: bool = field(default=False, metadata=GAUGE)  # drafts reused (rollout.spec)
     # the engine decoded with drafts: token trees, or stored drafts verified in decoding
-    tree: bool = field(default=False, metadata=GAUGE)
+    decode_drafts: bool = field(default=False, metadata=GAUGE)
     lenient: bool = field(default=False, metadata=GAUGE)  # the lenient rule decided tokens
     tree_nodes: int = field(default=0, metadata=GAUGE)
     tree_prompts: int = field(default=0, metadata=GAUGE)
-    tree_acceptance_estimate: float = field(default=0.0, metadata=GAUGE)
+    accept_rate_estimate: float = field(default=0.0, metadata=GAUGE)
     compute: ForwardCounts = field(default_factory=ForwardCounts)  # the engine's forwards
 
     def __add__(self, other: RolloutStats) -> RolloutStats:
@@ -86,7 +92,7 @@ class RolloutStats:
         out = cls.total(stats)
         for name in GAUGE_SUMS:
             setattr(out, name, sum(getattr(s, name) for s in stats))
-        for flag in ("speculative", "tree", "lenient"):
+        for flag in ("speculative", "decode_drafts", "lenient"):
             setattr(out, flag, any(getattr(s, flag) for s in stats))
         out.verify_s = max((s.verify_s for s in stats), default=0.0)
         out.slowest_forwards = max((s.slowest_forwards for s in stats), default=0)
@@ -96,8 +102,8 @@ class RolloutStats:
         out.compute = functools.reduce(
             ForwardCounts.side_by_side, (s.compute for s in stats), ForwardCounts()
         )
-        out.tree_acceptance_estimate = float(
-            np.mean([s.tree_acceptance_estimate for s in stats]) if stats else 0.0
+        out.accept_rate_estimate = float(
+            np.mean([s.accept_rate_estimate for s in stats]) if stats else 0.0
         )
         return out
 
@@ -105,6 +111,40 @@ class RolloutStats:
     def of_steps(cls, history: Iterable[Mapping[str, float]]) -> RolloutStats:
         """The counts of a run's training steps (its logged metrics; evaluations skipped)."""
         return cls.total(cls.from_metrics(m) for m in history if m["training/global_step"] > 0)
+
+    def count(
+        self,
+        slots: Sequence[Slot],
+        rollouts: Sequence[Rollout],
+        results: Mapping[int, GenResult],
+        version: int,
+        counts_drafts: bool,
+        in_decoding: bool,
+    ) -> None:
+        """Add one stage call: its slots (what each kept of its draft or its trie), its
+        rollouts, and the engine's results for the slots it decoded (by slot index). With
+        `counts_drafts` the results count the drafts decoding verified; `in_decoding`: stored
+        drafts were among them, their kept tokens decoded too."""
+        self.rollouts += len(rollouts)
+        drafted = [s for s in slots if s.verified is not None]
+        walked = [s for s in slots if s.walked is not None]
+        self.drafts += len(drafted) + len(walked)
+        self.draft_age_sum += sum(version - s.draft.policy_version for s in drafted)
+        # reused whole: not decoded, or (verified in decoding) nothing decoded past the draft
+        self.fully_reused += len(rollouts) - sum(bool(r.token_ids) for r in results.values())
+        self.reused_tokens += sum(s.verified.cut for s in drafted)
+        self.reused_tokens += sum(len(s.walked.token_ids) for s in walked)
+        self.decoded_tokens += sum(len(r.token_ids) for r in results.values())
+        self.slowest_forwards += max((r.forwards for r in results.values()), default=0)
+        self.response_tokens += sum(len(r.token_ids) for r in rollouts)
+        if counts_drafts:
+            for i, r in results.items():
+                self.draft_forwards += r.forwards
+                self.draft_output_tokens += len(r.token_ids)
+                self.drafted_tokens += r.draft_tokens
+                self.accepted_draft_tokens += r.accepted_tokens
+                if in_decoding and slots[i].verified is not None:
+                    self.draft_output_tokens += slots[i].verified.cut  # decoded, then kept
 
     def ratios(self) -> dict[str, float]:
         """The derived quantities, with the names they are logged under."""
@@ -123,15 +163,15 @@ class RolloutStats:
             out["spec/behaviour_logprob_gap"] = self.behaviour_gap_sum / max(
                 self.behaviour_gap_tokens, 1
             )
-        if self.tree:
+        if self.decode_drafts:
             # tokens a sequence gains per decode forward: accepted draft tokens + the one sampled
-            out["spec/tree/mean_accepted_per_forward"] = self.tree_output_tokens / max(
-                self.tree_forwards, 1
+            out["spec/decode_drafts/tokens_per_forward"] = self.draft_output_tokens / max(
+                self.draft_forwards, 1
             )
-            out["spec/tree/acceptance_rate"] = self.tree_accepted_tokens / max(
-                self.tree_draft_tokens, 1
+            out["spec/decode_drafts/accept_rate"] = self.accepted_draft_tokens / max(
+                self.drafted_tokens, 1
             )
-            out["spec/tree/mean_width"] = self.tree_width_sum / max(self.tree_width_forwards, 1)
+            out["spec/decode_drafts/mean_width"] = self.width_sum / max(self.width_forwards, 1)
         if self.workers:
             out["perf/rollout_imbalance"] = self.worker_busy_max_s / max(
                 self.worker_busy_mean_s, 1e-9
@@ -140,7 +180,7 @@ class RolloutStats:
 
     def metrics(self) -> dict[str, float]:
         """Counts, gauges and ratios under their logged names; the ratios of draft reuse only in
-        speculative runs, tree and lenient-rule names only where those are in use."""
+        speculative runs, decode-draft, tree and lenient-rule names only where those are in use."""
         out = {
             key: float(getattr(self, name))
             for name, key in METRIC_NAMES.items()
@@ -156,19 +196,29 @@ class RolloutStats:
         """The counts and gauges back from one step's logged metrics."""
         values = {name: metrics[key] for name, key in METRIC_NAMES.items() if key in metrics}
         values["speculative"] = "spec/reused_token_ratio" in metrics
-        values["tree"] = "spec/tree/forwards" in metrics
+        values["decode_drafts"] = "spec/decode_drafts/forwards" in metrics
         values["lenient"] = "spec/behaviour_gap_sum" in metrics
         return cls(**values, compute=ForwardCounts.from_metrics(metrics))
 
     def _applies(self, name: str) -> bool:
-        if name.startswith("tree_"):
-            return self.tree
+        if name.startswith("tree_") or name in DECODE_DRAFT_COUNTS:
+            return self.decode_drafts
         if name.startswith("trie_"):
             return self.speculative
         if name in WORKER_COUNTS:
             return self.workers > 0
         return self.lenient or not name.startswith("behaviour_")
 
+
+DECODE_DRAFT_COUNTS = (
+    "draft_forwards",
+    "draft_output_tokens",
+    "drafted_tokens",
+    "accepted_draft_tokens",
+    "width_forwards",
+    "width_sum",
+    "accept_rate_estimate",
+)
 
 GAUGE_SUMS = ("store_entries", "store_tokens", "store_bytes", "tree_nodes", "tree_prompts")
 
@@ -202,12 +252,12 @@ METRIC_NAMES = {
     "response_tokens": "spec/response_tokens",
     "behaviour_gap_sum": "spec/behaviour_gap_sum",
     "behaviour_gap_tokens": "spec/behaviour_gap_tokens",
-    "tree_forwards": "spec/tree/forwards",
-    "tree_output_tokens": "spec/tree/output_tokens",
-    "tree_draft_tokens": "spec/tree/draft_tokens",
-    "tree_accepted_tokens": "spec/tree/accepted_tokens",
-    "tree_width_forwards": "spec/tree/width_forwards",
-    "tree_width_sum": "spec/tree/width_sum",
+    "draft_forwards": "spec/decode_drafts/forwards",
+    "draft_output_tokens": "spec/decode_drafts/output_tokens",
+    "drafted_tokens": "spec/decode_drafts/drafted_tokens",
+    "accepted_draft_tokens": "spec/decode_drafts/accepted_tokens",
+    "width_forwards": "spec/decode_drafts/width_forwards",
+    "width_sum": "spec/decode_drafts/width_sum",
     "tree_evicted_nodes": "spec/tree/evicted_nodes",
     "trie_nodes": "spec/trie/nodes",
     "trie_prompts": "spec/trie/prompts",
@@ -226,5 +276,5 @@ METRIC_NAMES = {
     "store_bytes": "spec/store_bytes",
     "tree_nodes": "spec/tree/nodes",
     "tree_prompts": "spec/tree/prompts",
-    "tree_acceptance_estimate": "spec/tree/acceptance_estimate",
+    "accept_rate_estimate": "spec/decode_drafts/accept_rate_estimate",
 }

@@ -149,7 +149,7 @@ def test_one_worker_is_in_process_bitwise_and_two_agree(
     later = stats[-1]
     assert later.workers == 2 and later.drafts == BATCH * N
     assert 0 < later.reused_tokens < later.response_tokens  # drafts partly accepted
-    assert later.tree_draft_tokens > 0
+    assert later.drafted_tokens > 0
 
 
 def test_a_worker_dying_or_hanging_mid_rollout_loses_nothing(
@@ -235,8 +235,8 @@ def test_run_ahead_seeds_trees_and_leaves_the_samples_alone(
         finally:
             workers.shutdown()
     (plain, plain_stats), (seeded, seeded_stats) = results[False], results[True]
-    assert plain_stats.tree_draft_tokens == 0  # nothing to draft from in a first rollout
-    assert seeded_stats.tree_draft_tokens > 0 and seeded_stats.tree_accepted_tokens > 0
+    assert plain_stats.drafted_tokens == 0  # nothing to draft from in a first rollout
+    assert seeded_stats.drafted_tokens > 0 and seeded_stats.accepted_draft_tokens > 0
     _assert_same([plain], [seeded], atol=1e-4)
 
 

@@ -25,7 +25,7 @@ def test_decoding_counts_one_position_per_row_and_forward():
     reads = sum(length + j for length, k in zip((3, 2), n, strict=True) for j in range(k))
     assert (c.decode_forwards, c.decode_rows, c.decode_positions) == (max(n), sum(n), sum(n))
     assert (c.decode_kv_reads, c.decode_attended, c.decode_draft_positions) == (reads, reads, 0)
-    assert c.score_forwards == 0
+    assert c.verify_forwards == 0
 
 
 def test_drafts_are_positions_of_the_decode_forwards_that_verify_them():
@@ -48,13 +48,13 @@ def test_scoring_and_tries_count_every_position_they_compute():
     hf = engine()
     hf.logprobs([LogprobRequest([3, 4], [5, 6, 7]), LogprobRequest([8], [9])] * 2)
     c = hf.counts  # identical requests computed once
-    assert (c.score_forwards, c.score_rows, c.score_positions) == (1, 2, 7)
-    assert (c.score_kv_reads, c.score_attended) == (7, 15 + 3)
+    assert (c.verify_forwards, c.verify_rows, c.verify_positions) == (1, 2, 7)
+    assert (c.verify_kv_reads, c.verify_attended) == (7, 15 + 3)
     hf.counts = ForwardCounts()
     # a prompt of 3 and a trie of 3 nodes: 1 under the root, 2 and 3 under node 1
     hf.score_tries([TrieRequest([3, 4, 5], [0, 1, 1], [6, 7, 8])])
     c = hf.counts
-    assert (c.score_forwards, c.score_rows, c.score_positions, c.score_kv_reads) == (1, 1, 6, 6)
-    assert c.score_attended == 6 + (3 + 1) + 2 * (
+    assert (c.verify_forwards, c.verify_rows, c.verify_positions, c.verify_kv_reads) == (1, 1, 6, 6)
+    assert c.verify_attended == 6 + (3 + 1) + 2 * (
         3 + 2
     )  # the prompt causal, each node: prompt + path

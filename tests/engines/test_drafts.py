@@ -123,7 +123,7 @@ def test_draft_width_speculates_in_the_tail_not_in_a_large_batch():
     assert width.choose([8]) >= 4  # overhead-bound tail: speculate
     for _ in range(5):  # nothing accepted lately
         width.observe_drafts([8] * 1000, [0] * 1000)
-    assert width.acceptance < 0.05
+    assert width.accept_rate < 0.05
     assert width.choose([8]) == 0
     assert sum(width.reset_choices().values()) == 4 and not width.choices
 
@@ -176,7 +176,7 @@ def test_draft_width_state_round_trips_and_an_old_checkpoint_restarts_the_cost_f
     width.observe_drafts([8] * 10, [3] * 10)
     again = DraftWidth(8)
     again.load_state_dict(width.state_dict())
-    assert again.cost() == width.cost() and again.acceptance == width.acceptance
+    assert again.cost() == width.cost() and again.accept_rate == width.accept_rate
     old = {"fit": [1.0] * 5, "trials": 20.0, "accepted": 10.0}
     again.load_state_dict(old)
-    assert again.cost() is None and again.acceptance == pytest.approx(11 / 22)
+    assert again.cost() is None and again.accept_rate == pytest.approx(11 / 22)

@@ -170,7 +170,7 @@ def recorded_passes(model):
 @pytest.mark.parametrize("chunks", [1, 2])
 def test_decoding_after_scoring_reuses_the_prefixes_it_is_handed(tiny_model, chunks):
     """Continuing prompt + draft[:k] after scoring prompt + draft into a `prefixes` handle takes
-    the prefix's KV from the scoring pass: no prefill pass, same tokens and logprobs as a cold
+    the prefix's KV from the verification pass: no prefill pass, same tokens and logprobs as a cold
     engine. Scored in two calls (chunked verification), both calls' sequences are kept."""
     drafts = [[5, 6, 7, 8, 9], [2, 2, 3], [4, 4, 4, 4]]
     cuts = [2, 0, 4]

@@ -65,7 +65,7 @@ def test_acceptance_is_read_from_what_the_next_step_sampled():
     session.propose(ids, [[6, 7, 2], [3]], lengths, token_ids)
     assert session.counts.draft_tokens == [3, 2] and session.counts.accepted_tokens == [2, 0]
     width = session.drafter.width
-    assert width.acceptance == (2 + 1) / (2 + 1 + 1 + 2)  # 2 successes in 4 trials, prior 1/2
+    assert width.accept_rate == (2 + 1) / (2 + 1 + 1 + 2)  # 2 successes in 4 trials, prior 1/2
     result = GenResult([], [], "length")
     session.counts.count(0, result)
     # the prefill's step and one decode step

@@ -233,7 +233,7 @@ def test_bench_and_speculative_training_run_on_vllm(tiny_policy_dir, tmp_path):
         perf, decoded = result["arms"][arm]["perf"], result["arms"][arm]["decoded_tokens"]
         assert perf["perf/decode/forwards"] > 0 and perf["perf/prefill/positions"] > 0
         assert perf["perf/decode/positions"] >= decoded > 0
-        assert (perf["perf/score/forwards"] > 0) == (arm != "vanilla")  # verification, tries
+        assert (perf["perf/verify/forwards"] > 0) == (arm != "vanilla")  # verification, tries
         assert 0 < result["arms"][arm]["engine_time_s"] <= result["arms"][arm]["rollout_time_s"]
     for arm in ("vanilla", "spec", "trie"):
         steps = [m for m in read_metrics(out / arm) if m["training/global_step"]]
@@ -332,7 +332,7 @@ def test_greedy_decoding_with_vllms_suffix_drafts_equals_greedy_decoding_without
 
 def test_vllms_suffix_drafts_keep_the_target_distribution(suffix_engine):
     """10k slots sampled with vLLM's suffix decoding drafting (alone, and after stored drafts
-    from another policy verified by a scoring pass, the exact rule): distributed as the current
+    from another policy verified by a verification pass, the exact rule): distributed as the current
     policy's samples. The anchor of the bench samples what vanilla samples."""
     vocab, max_len, n = VOCAB, 3, 10_000
     target_model = tiny(5, init=0.5)
@@ -350,7 +350,7 @@ def test_vllms_suffix_drafts_keep_the_target_distribution(suffix_engine):
         for r in sample_rollouts(drafter, [prompt], n, sampling, max_len, ("draft",), 0):
             stage.store.put(r)
         rollouts, stats = stage([prompt], n, ("suffix", spec.enabled), 1)
-        assert 0 < stats.tree_accepted_tokens < stats.tree_draft_tokens
+        assert 0 < stats.accepted_draft_tokens < stats.drafted_tokens
         assert (stats.reused_tokens > 0) == spec.enabled
         assert distribution_pvalue(reference, prompt, rollouts, vocab, max_len) > 1e-3
 
@@ -385,7 +385,7 @@ def test_drafts_inside_vllm_keep_the_target_distribution_and_the_test_has_power(
         stage.tree.insert(prompt.prompt_id, r.token_ids)
     rollouts, stats = stage([prompt], n, ("spec",), 1)
     assert 0 < stats.reused_tokens < stats.response_tokens
-    assert 0 < stats.tree_accepted_tokens < stats.tree_draft_tokens
+    assert 0 < stats.accepted_draft_tokens < stats.drafted_tokens
     pvalue = distribution_pvalue(
         HFEngine(target_model, [EOS], PAD), prompt, rollouts, vocab, max_len
     )
@@ -460,10 +460,10 @@ def test_bench_of_vllms_suffix_decoding(tiny_policy_dir, tmp_path):
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
     arms = json.loads((out / "bench.json").read_text())["arms"]
-    assert "tree_draft_tokens" not in arms["vanilla"]
+    assert "drafted_tokens" not in arms["vanilla"]
     for arm in ("suffix", "spec+suffix"):
-        assert 0 < arms[arm]["tree_accepted_tokens"] <= arms[arm]["tree_draft_tokens"]
-        assert arms[arm]["mean_accepted_per_forward"] > 1
+        assert 0 < arms[arm]["accepted_draft_tokens"] <= arms[arm]["drafted_tokens"]
+        assert arms[arm]["tokens_per_forward"] > 1
     assert arms["suffix"]["reused_token_ratio"] == 0 < arms["spec+suffix"]["reused_token_ratio"]
 
 
@@ -479,7 +479,7 @@ def test_episodes_on_vllm_equal_episodes_on_the_transformers_engine(
     engine_name, reuse, verify_mode, request
 ):
     """Greedy three-turn episodes (observations that depend on the turns) rolled out on vLLM
-    by the episode stage, with stored turns verified by a scoring pass or inside decoding, or
+    by the episode stage, with stored turns verified by a verification pass or inside decoding, or
     with each turn's history trie walked, are the transformers engine's token for token; the
     second time every turn is reused whole."""
     from specrl.episodes.env import EnvironmentFactory

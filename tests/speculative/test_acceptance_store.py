@@ -3,7 +3,7 @@ import math
 import numpy as np
 import torch
 
-from specrl.speculative.acceptance import accept_mask, cut_indices
+from specrl.speculative.acceptance import ExactRule, LenientRule, cut_indices
 from specrl.speculative.store import RolloutStore
 from specrl.types import Example, Prompt, Rollout
 
@@ -23,16 +23,16 @@ def test_cut_is_first_rejection_within_the_draft():
 def test_specrl_rule_with_lenience():
     u = torch.tensor([[0.99, 0.99, 0.99], [0.5, 0.5, 0.5]])
     # row 0: p_new = p_old → ratio 1 → always accepted; row 1: token 1 has ratio 1/9 < u = 0.5
-    assert accept_mask(NEW, OLD, u, "specrl", 0.0).tolist() == [[True] * 3, [True, False, True]]
+    assert LenientRule(0.0).accept_mask(NEW, OLD, u).tolist() == [[True] * 3, [True, False, True]]
     # lenience e^2 ≈ 7.4: 7.4 / 9 = 0.82 > 0.5 → now accepted
-    assert accept_mask(NEW, OLD, u, "specrl", 2.0)[1].tolist() == [True] * 3
-    assert not accept_mask(NEW, OLD, u, "specrl", -math.inf).any()
-    assert accept_mask(NEW - 50, OLD, u, "specrl", math.inf).all()
+    assert LenientRule(2.0).accept_mask(NEW, OLD, u)[1].tolist() == [True] * 3
+    assert not LenientRule(-math.inf).accept_mask(NEW, OLD, u).any()
+    assert LenientRule(math.inf).accept_mask(NEW - 50, OLD, u).all()
 
 
 def test_exact_rule_accepts_with_the_current_probability():
     u = torch.tensor([[0.49, 0.51, 0.2], [0.89, 0.11, 0.95]])
-    assert accept_mask(NEW, OLD, u, "exact", 0.0).tolist() == [
+    assert ExactRule().accept_mask(NEW, OLD, u).tolist() == [
         [True, False, True],
         [True, False, False],
     ]

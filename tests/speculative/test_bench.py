@@ -40,7 +40,7 @@ def test_bench_trains_every_arm_and_writes_json_and_plot(tiny_policy_dir, tmp_pa
     assert arms["spec"]["rollout_speedup"] == result["rollout_speedup"]
     # the spec arm is speculative rollouts as configured: by default its tail has tree drafts
     for arm in ("spec", "tree", "spec+tree"):
-        assert arms[arm]["tree_accepted_tokens"] > 0 and arms[arm]["mean_accepted_per_forward"] > 1
+        assert arms[arm]["accepted_draft_tokens"] > 0 and arms[arm]["tokens_per_forward"] > 1
     assert (
         "rollout_speedup_vs_spec" in arms["tree"] and "rollout_speedup_vs_spec" in arms["spec+tree"]
     )
@@ -106,13 +106,19 @@ def test_timings_of_a_disturbed_bench_are_flagged():
     from specrl.bench import timing_warnings
 
     quiet = {"start": [0.1, 0.5, 1.0], "vanilla seed 1": [2.0, 1.9, 1.5]}
-    arms = {"vanilla": {"rollout_speedup": 1.0, "limit_speedup": 1.0},
-            "trie": {"rollout_speedup": 1.5, "limit_speedup": 1.6}}  # fmt: skip
+    arms = {"vanilla": {"rollout_speedup": 1.0, "limit_speedup": 1.0, "response_tokens": 1000},
+            "trie": {"rollout_speedup": 1.5, "limit_speedup": 1.6, "response_tokens": 1000},
+            # above its limit only because its responses were shorter: per token within it
+            "spec": {"rollout_speedup": 0.8, "limit_speedup": 0.72, "response_tokens": 900}}  # fmt: skip
     assert timing_warnings({"arms": arms}, quiet, 2) == []
     busy = {"start": [1.2, 0.5, 1.0], "trie seed 1": [3.5, 2.0, 1.5]}
-    impossible = {**arms, "trie": {"rollout_speedup": 2.03, "limit_speedup": 1.79}}
+    impossible = {
+        **arms, "trie": {"rollout_speedup": 2.03, "limit_speedup": 1.79, "response_tokens": 1000}
+    }  # fmt: skip
     warnings = timing_warnings({"arms": impossible}, busy, 2)
     assert len(warnings) == 3
     assert "busy when the bench started (load average 1.20 on 2 cores)" in warnings[0]
     assert "after trie seed 1" in warnings[1]
-    assert "trie arm's rollout speedup 2.03 exceeds its limit 1.79" in warnings[2]
+    assert (
+        "trie arm's rollout speedup per response token 2.03 exceeds its limit 1.79" in warnings[2]
+    )

@@ -39,8 +39,13 @@ def test_first_time_prompts_fall_back_to_vanilla(engine):
 
 def test_minus_infinite_lenience_reuses_nothing_and_equals_vanilla(engine):
     rollout = stage(engine, acceptance="specrl", log_lenience=-math.inf)
-    rollout(PROMPTS, 2, ("s", 1), 1)
+    first, _ = rollout(PROMPTS, 2, ("s", 1), 1)
     second, stats = rollout(PROMPTS, 2, ("s", 2), 2)
+    # rollouts the lenient rule drafted say so: behaviour logprobs (here the current ones: ℓ = 0
+    # reuses nothing); without a draft they are the policy's samples
+    assert all(r.behaviour_logprobs is None for r in first)
+    for r in second:
+        assert r.behaviour_logprobs == pytest.approx(r.current_logprobs, abs=1e-9)
     assert tokens(second) == tokens(sample_rollouts(engine, PROMPTS, 2, SAMPLING, R, ("s", 2), 2))
     assert stats.drafts == len(second) and stats.reused_tokens == 0
 
@@ -86,7 +91,7 @@ def test_exported_prompts_give_a_fresh_stage_the_same_next_rollouts(tree):
     assert [r.token_ids for r in got] == [r.token_ids for r in expected]
     assert 0 < moved_stats.reused_tokens == stats.reused_tokens < moved_stats.response_tokens
     if tree:
-        assert moved_stats.tree_draft_tokens == stats.tree_draft_tokens > 0
+        assert moved_stats.drafted_tokens == stats.drafted_tokens > 0
 
 
 def test_stage_state_restores_drafts(engine):
@@ -134,6 +139,8 @@ def test_exact_rule_matches_the_target_distribution_with_adversarial_drafts(acce
     rollouts, stats = spec([prompt], n, ("spec",), 1)
     assert 0 < stats.reused_tokens < stats.response_tokens  # drafts partly kept
 
+    # the exact rule's rollouts are the policy's samples: no behaviour logprobs of their own
+    assert all((r.behaviour_logprobs is None) == exact for r in rollouts)
     pvalue = distribution_pvalue(target, prompt, rollouts, vocab, max_len)
     if exact:
         assert pvalue > 1e-3
@@ -212,7 +219,9 @@ def test_a_rule_the_engine_cannot_serve_is_refused_at_construction(engine):
     lenient, stats = SpeculativeStage(PlainEngine(), SAMPLING, R, SpecConfig(acceptance="specrl"))(
         PROMPTS, 2, ("s", 1), 1
     )
-    assert not stats.tree and stats.rollouts == len(lenient) == 6  # no tree, no prefix handle
+    assert (
+        not stats.decode_drafts and stats.rollouts == len(lenient) == 6
+    )  # no tree, no prefix handle
 
 
 def test_drift_metrics_say_how_old_drafts_are_and_how_far_the_policy_moved(engine):
@@ -250,8 +259,8 @@ def test_drafts_verified_inside_decoding_keep_the_target_distribution(tree):
             spec.tree.insert(prompt.prompt_id, r.token_ids)
     rollouts, stats = spec([prompt], n, ("spec",), 1)
     assert 0 < stats.reused_tokens < stats.response_tokens
-    assert 0 < stats.tree_accepted_tokens < stats.tree_draft_tokens
-    assert stats.verified_tokens == 0  # no scoring pass
+    assert 0 < stats.accepted_draft_tokens < stats.drafted_tokens
+    assert stats.verified_tokens == 0  # no verification pass
     assert distribution_pvalue(target, prompt, rollouts, vocab, max_len) > 1e-3
 
 
@@ -266,4 +275,4 @@ def test_greedy_drafts_verified_inside_decoding_are_kept_whole(engine):
     assert tokens(rollouts) == tokens(sample_rollouts(engine, PROMPTS, 2, GREEDY, R, ("v",), 2))
     assert stats.reused_tokens == stats.response_tokens
     assert stats.fully_reused == stats.rollouts and stats.decoded_tokens == 0
-    assert stats.tree_forwards < stats.response_tokens  # several tokens per forward
+    assert stats.draft_forwards < stats.response_tokens  # several tokens per forward

@@ -173,10 +173,10 @@ def test_tree_drafts_speed_decoding_without_changing_rollouts(online):
         assert stats.tree_nodes == stage.tree.nodes > 0
         assert stats.tree_prompts == 3
     # by now trees hold earlier responses: drafts are proposed, some accepted
-    assert 0 < stats.tree_accepted_tokens < stats.tree_draft_tokens
-    assert stats.ratios()["spec/tree/mean_accepted_per_forward"] > 1
-    assert stats.tree_forwards < stats.decoded_tokens
-    assert stats.ratios()["spec/tree/mean_width"] > 0
+    assert 0 < stats.accepted_draft_tokens < stats.drafted_tokens
+    assert stats.ratios()["spec/decode_drafts/tokens_per_forward"] > 1
+    assert stats.draft_forwards < stats.decoded_tokens
+    assert stats.ratios()["spec/decode_drafts/mean_width"] > 0
 
 
 def test_spec_rl_plus_tree_equals_spec_rl_alone(engine):
@@ -224,6 +224,6 @@ def test_exact_with_adversarial_tree_drafts_matches_the_target_distribution():
     for r in sample_rollouts(drafter, [prompt], 64, SAMPLING, max_len, ("draft",), 0):
         stage.tree.insert(prompt.prompt_id, r.token_ids)
     rollouts, stats = stage([prompt], n, ("spec",), 1)
-    assert 0 < stats.tree_accepted_tokens < stats.tree_draft_tokens
+    assert 0 < stats.accepted_draft_tokens < stats.drafted_tokens
 
     assert distribution_pvalue(target, prompt, rollouts, vocab, max_len) > 1e-3

@@ -4,7 +4,7 @@ several tokens per forward with a drafter's drafts (model-free speculative decod
 Batches are left-padded; every sequence keeps its own position ids, so padding never changes a
 result. A sequence that finishes leaves the batch and its rows leave the KV cache: it costs
 nothing afterwards. A request whose context starts a sequence scored into the caller's
-`prefixes` takes that KV, and the distribution of its first new token, from the scoring pass.
+`prefixes` takes that KV, and the distribution of its first new token, from the verification pass.
 Every token is sampled with a counter-based uniform of (request seed, position), so drafts,
 batching and cached prefixes change how much is computed, never which tokens come out.
 """

@@ -129,7 +129,7 @@ class HFEngine:
         # last one predicts the token after the sequence.
         n = max(len(r.target_ids) for r in requests)
         logits = self.forward(ids, attention, positions, cache, keep=n + 1)  # [B, n + 1, V]
-        self.counts.record("score", *prefill_counts(attention))
+        self.counts.record("verify", *prefill_counts(attention))
         sampling = RowSampling.of([r.sampling for r in requests], self.device).repeat(n + 1)
         distributions = sampling_logprobs(logits.reshape(-1, logits.shape[-1]), sampling)
         distributions = distributions.view(len(requests), n + 1, -1)  # [B, n + 1, V]
@@ -179,7 +179,7 @@ class HFEngine:
         logits = self.forward(ids, bias[:, None].to(self.device), positions, cache, keep=most + 1)
         pairs = int((mask & attention.bool()[:, :, None].cpu()).sum())
         real = attention.sum(1)
-        self.counts.record("score", len(requests), int(real.sum()), int(real.sum()), pairs)
+        self.counts.record("verify", len(requests), int(real.sum()), int(real.sum()), pairs)
         out, kept = [], []
         for row, r in zip(logits, requests, strict=True):
             nodes = len(r.tokens)

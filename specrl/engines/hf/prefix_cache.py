@@ -1,4 +1,4 @@
-"""Prefix KV kept from scoring passes, for decoding that continues a scored sequence or a node
+"""Prefix KV kept from verification passes, for decoding that continues a scored sequence or a node
 of a scored trie."""
 
 from __future__ import annotations

