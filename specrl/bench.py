@@ -6,7 +6,7 @@ default), trie (every slot walks its prompt's history trie, `reuse=trie`, always
 rule, its default unless drafts are verified in decoding; tree drafts as configured), spec-in-decoding (spec
 with `rollout.spec.verify_mode=decoding`: stored drafts verified inside decoding, exact rule), tree (specrl's token-tree drafts only), spec+tree (both, whatever the
 config), suffix (vLLM's own suffix decoding, `rollout.spec.tree.method=suffix`, no prefix reuse:
-the anchor on the vllm engine) and spec+suffix (prefix reuse verified by a verification pass, the
+the anchor on the vllm engine) and spec+suffix (prefix reuse verified in one pass before decoding, the
 rest drafted by vLLM's suffix decoding); the default is vanilla, spec and trie, `--arms`
 picks others.
 `--seeds 1,2,3` trains every arm once per seed: one run's final accuracy on a small held-out set

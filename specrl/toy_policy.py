@@ -182,6 +182,7 @@ def _supervised_warm_start(
         optimizer, max_lr=spec.sft_lr, total_steps=spec.sft_steps, pct_start=0.1
     )
     model.train()
+    device = model.device
     for step in range(spec.sft_steps):
         sequences, masks = [], []
         while len(sequences) < spec.sft_batch_size:
@@ -198,7 +199,6 @@ def _supervised_warm_start(
             sequences.append(ids)
             masks.append(mask)
         width = max(map(len, sequences))
-        device = model.device
         ids = torch.tensor(
             [s + [tokenizer.pad_token_id] * (width - len(s)) for s in sequences], device=device
         )  # [B, T]

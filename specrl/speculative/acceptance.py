@@ -5,14 +5,14 @@ Given each draft token's current logprob `new` (from one verification pass) and 
 behaviour logprob `old`, a rule accepts tokens left to right; the cut index k is the first
 rejected position (k = draft length when all are accepted).
 
-- `specrl`, `LenientRule` (SPEC-RL, arXiv 2509.23232): accept with probability min(1, ℓ · p_new / p_old),
-  ℓ = exp(log_lenience). log_lenience = -inf reuses nothing, +inf reuses every draft whole. The
+- `specrl`, `LenientRule` (SPEC-RL, arXiv 2509.23232): accept with probability
+  min(1, ℓ · p_new / p_old), ℓ = exp(log_lenience). log_lenience = -inf reuses nothing, +inf reuses every draft whole. The
   token at k is then sampled afresh from the current policy — knowingly not distribution-exact;
-  `behaviour` gives the probabilities the rule actually sampled with (the rollouts carry them, and
-  the trainer weighs by them). It needs each draft token's new probability from a verification pass
-  before decoding, so it cannot be verified inside decoding nor walk tries.
-- `exact`, `ExactRule`: the draft is a point-mass proposal q = δ_d, so the speculative-sampling acceptance
-  min(1, p/q) is p_new(d). On rejection the token at k is drawn from p_new with d removed and
+  `behaviour` gives the probabilities the rule actually sampled with (the rollouts it drafted
+  carry them, and the trainer weighs by them). It needs each draft token's new probability from
+  a verification pass before decoding, so it cannot be verified inside decoding nor walk tries.
+- `exact`, `ExactRule`: the draft is a point-mass proposal q = δ_d, so the speculative-sampling
+  acceptance min(1, p/q) is p_new(d). On rejection the token at k is drawn from p_new with d removed and
   renormalised (the residual (p - q)+ normalised). Then P(token = d) = p(d) and
   P(token = y ≠ d) = (1 - p(d)) · p(y) / (1 - p(d)) = p(y): every rollout is distributed exactly
   as the current policy would sample it, whatever the drafts were, and carries no behaviour
@@ -36,6 +36,9 @@ import torch
 
 from specrl.engines.sampling import seeded_uniform
 from specrl.speculative.slots import common_prefix
+
+# the current logprob of each (context, token) pair: what verification did not compute
+LogprobOf = Callable[[list[tuple[list[int], int]]], list[float]]
 
 if TYPE_CHECKING:
     from specrl.config import SpecConfig
@@ -66,7 +69,7 @@ class AcceptanceRule(ABC):
         self,
         slots: Sequence[Slot],
         rollouts: list[Rollout],
-        logprob_of: Callable[[list[tuple[list[int], int]]], list[float]],
+        logprob_of: LogprobOf,
         stats: RolloutStats,
     ) -> list[Rollout]:
         """The rollouts of these slots with the logprobs their tokens were sampled with, where
@@ -105,7 +108,13 @@ class ExactRule(AcceptanceRule):
     def residual(self, rejected: int) -> tuple[int, ...]:
         return (rejected,)
 
-    def behaviour(self, slots, rollouts, logprob_of, stats) -> list[Rollout]:
+    def behaviour(
+        self,
+        slots: Sequence[Slot],
+        rollouts: list[Rollout],
+        logprob_of: LogprobOf,
+        stats: RolloutStats,
+    ) -> list[Rollout]:
         return rollouts  # the current policy's samples: no behaviour logprobs of their own
 
 
@@ -130,14 +139,13 @@ class LenientRule(AcceptanceRule):
         self,
         slots: Sequence[Slot],
         rollouts: list[Rollout],
-        logprob_of: Callable[[list[tuple[list[int], int]]], list[float]],
+        logprob_of: LogprobOf,
         stats: RolloutStats,
     ) -> list[Rollout]:
         """The rollouts with the behaviour logprobs of every drafted one (`behaviour_logprobs`;
-        an undrafted one was sampled from the current policy).
-        The current logprob of the draft token where a response first leaves its draft is known
-        from verification, except past the chunks chunked verification computed: `logprob_of` gives
-        those, for (context, token) pairs, in one batch."""
+        an undrafted one was sampled from the current policy). The current logprob of the draft
+        token where a response first leaves its draft is known from verification, except past
+        the chunks chunked verification computed: `logprob_of` gives those, in one batch."""
         drafted = [i for i, s in enumerate(slots) if s.verified is not None]
         matched = {
             i: common_prefix(rollouts[i].token_ids, slots[i].draft.token_ids) for i in drafted

@@ -59,9 +59,8 @@ class DraftWidth:
         self.adaptive = adaptive
         self.ragged = ragged
         self.cost_decay = cost_decay  # the cost of a forward drifts slowly
-        self.accept_rate_decay = (
-            accept_rate_decay  # the accept rate moves fast (a new round of trees)
-        )
+        # the accept rate moves fast (a new round of trees)
+        self.accept_rate_decay = accept_rate_decay
         self._sums = np.zeros((3, 4))  # weighted sums of x·[x, t] over forwards, x = (1, B, E)
         self._drafted = 0.0  # weighted count of forwards that verified drafts
         self._trials, self._accepted = 0.0, 0.0  # decayed evidence; α = (accepted+1)/(trials+2)

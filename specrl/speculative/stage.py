@@ -171,8 +171,8 @@ class SpeculativeStage:
         rollouts = [self._assemble(s, results.get(i), policy_version) for i, s in enumerate(slots)]
         if self.lenient:
             behaviour_start = time.perf_counter()
-            score = functools.partial(self._logprobs_where_left, stats)
-            rollouts = self.rule.behaviour(slots, rollouts, score, stats)
+            logprob_of = functools.partial(self._logprobs_where_left, stats)
+            rollouts = self.rule.behaviour(slots, rollouts, logprob_of, stats)
             stats.verify_s += time.perf_counter() - behaviour_start
         if self.cfg.enabled and not self.walks:
             for r in rollouts:

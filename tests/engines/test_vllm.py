@@ -332,7 +332,7 @@ def test_greedy_decoding_with_vllms_suffix_drafts_equals_greedy_decoding_without
 
 def test_vllms_suffix_drafts_keep_the_target_distribution(suffix_engine):
     """10k slots sampled with vLLM's suffix decoding drafting (alone, and after stored drafts
-    from another policy verified by a verification pass, the exact rule): distributed as the current
+    from another policy verified in one pass before decoding, the exact rule): distributed as the current
     policy's samples. The anchor of the bench samples what vanilla samples."""
     vocab, max_len, n = VOCAB, 3, 10_000
     target_model = tiny(5, init=0.5)
@@ -479,7 +479,7 @@ def test_episodes_on_vllm_equal_episodes_on_the_transformers_engine(
     engine_name, reuse, verify_mode, request
 ):
     """Greedy three-turn episodes (observations that depend on the turns) rolled out on vLLM
-    by the episode stage, with stored turns verified by a verification pass or inside decoding, or
+    by the episode stage, with stored turns verified in one pass or inside decoding, or
     with each turn's history trie walked, are the transformers engine's token for token; the
     second time every turn is reused whole."""
     from specrl.episodes.env import EnvironmentFactory

@@ -34,7 +34,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, ClassVar, Literal
+from typing import Any, ClassVar, Literal
 
 import torch
 
@@ -59,10 +59,10 @@ from specrl.engines.sampling import (
 from specrl.engines.vllm import cpu_kernels, import_vllm
 from specrl.engines.vllm.outputs import (
     logprob_rows,
-    prompt_scores,
     sampled_logprobs,
     score_tries,
     untransformed,
+    verified_logprobs,
 )
 from specrl.engines.vllm.proposer import (
     DraftCounts,
@@ -73,9 +73,6 @@ from specrl.engines.vllm.proposer import (
     count_suffix_drafts,
     speculative_config,
 )
-
-if TYPE_CHECKING:
-    pass
 
 RESIDUAL_STREAM = 0x5E51D0A1  # seeds of the residual draws made here, apart from the walk's
 
@@ -373,7 +370,7 @@ class VLLMEngine:
         ]
         sequences = [list(r.context_ids) + list(r.target_ids) for r in requests]
         outputs = self._run(sequences, params, "verify")
-        return prompt_scores(requests, outputs, self.vocab_size)
+        return verified_logprobs(requests, outputs, self.vocab_size)
 
     # ---------------------------------------------------------------- tries
     def score_tries(

@@ -1,6 +1,6 @@
-"""vLLM's outputs read as specrl's scores: the logprobs of sampled and prompt tokens from vLLM's
-flat logprobs, whole processed distributions as rows, and a trie's scores from the prompt
-logprobs of its root-to-leaf paths. Plain functions over vLLM's output objects; nothing here
+"""vLLM's outputs read as specrl's logprobs: of sampled and verified tokens from vLLM's flat
+logprobs, whole processed distributions as rows, and a trie's scores (`TrieScores`) from the
+prompt logprobs of its root-to-leaf paths. Plain functions over vLLM's output objects; nothing here
 imports vllm."""
 
 from __future__ import annotations
@@ -48,7 +48,7 @@ def sibling_intervals(logprobs: np.ndarray, parents: Sequence[int]) -> TrieScore
     return TrieScores(logprobs, low, high, np.ones(len(probs)), coupled=False)
 
 
-def prompt_scores(
+def verified_logprobs(
     requests: Sequence[LogprobRequest], outputs: Sequence, vocab_size: int
 ) -> list[torch.Tensor]:
     """Each request's target logprobs from vLLM's outputs for context + targets: read directly
