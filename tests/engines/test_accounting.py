@@ -46,10 +46,14 @@ def test_drafts_are_positions_of_the_decode_forwards_that_verify_them():
 
 def test_scoring_and_tries_count_every_position_they_compute():
     hf = engine()
-    hf.logprobs([LogprobRequest([3, 4], [5, 6, 7]), LogprobRequest([8], [9])] * 2)
-    c = hf.counts  # identical requests computed once
-    assert (c.verify_forwards, c.verify_rows, c.verify_positions) == (1, 2, 7)
-    assert (c.verify_kv_reads, c.verify_attended) == (7, 15 + 3)
+    hf.logprobs([LogprobRequest([3, 4], [5, 6, 7]), LogprobRequest([8], [9, 10, 11])] * 2)
+    c = hf.counts  # identical requests computed once, sequences of similar lengths in one forward
+    assert (c.verify_forwards, c.verify_rows, c.verify_positions) == (1, 2, 9)
+    assert (c.verify_kv_reads, c.verify_attended) == (9, 15 + 10)
+    hf.counts = ForwardCounts()
+    hf.logprobs([LogprobRequest([3, 4], [5, 6, 7]), LogprobRequest([8], [9])])
+    c = hf.counts  # 5 and 2 tokens: padded into one forward, 3 of its 10 positions would be padding
+    assert (c.verify_forwards, c.verify_rows, c.verify_positions) == (2, 2, 7)
     hf.counts = ForwardCounts()
     # a prompt of 3 and a trie of 3 nodes: 1 under the root, 2 and 3 under node 1
     hf.score_tries([TrieRequest([3, 4, 5], [0, 1, 1], [6, 7, 8])])

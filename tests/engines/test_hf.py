@@ -4,6 +4,7 @@ from scipy.stats import chisquare
 
 from specrl.engines import GREEDY, GenRequest, LogprobRequest, SamplingParams
 from specrl.engines.hf import HFEngine
+from specrl.engines.hf.engine import width_batches
 from specrl.engines.sampling import RowSampling, sampling_logprobs, seeded_uniform
 from tests.conftest import EOS, PAD, make_tiny_model
 
@@ -155,6 +156,18 @@ def test_identical_score_requests_are_computed_once(engine, tiny_model):
     assert torch.equal(scored[0], scored[2]) and torch.equal(scored[1], scored[4])
     # the same tokens split differently: the shared targets get the same logprobs
     assert torch.allclose(scored[0][1:], scored[1], atol=1e-5)
+
+
+def test_sequences_of_similar_widths_share_a_forward():
+    widths = [10, 100, 9, 90, 8, 95, 30]
+    # widest first; 30 padded to 100: 400 positions for 315 real ones, over 1.25 x
+    assert width_batches(widths, 512, 0.25) == [[1, 5, 3], [6], [0, 2, 4]]
+    assert width_batches(widths, 2, 0.25) == [[1, 5], [3], [6], [0, 2], [4]]
+    assert width_batches(widths, 512, 0.25, max_positions=200) == [[1, 5], [3], [6], [0, 2, 4]]
+    assert width_batches(widths, 512, 10.0) == [[1, 5, 3, 6, 0, 2, 4]]
+    # every index exactly once, whatever the widths
+    batches = width_batches([3, 1, 4, 1, 5, 9, 2, 6], 3, 0.5)
+    assert sorted(i for batch in batches for i in batch) == list(range(8))
 
 
 def recorded_passes(model):

@@ -41,6 +41,7 @@ class HFEngine:
         draft_decoding=True, residual_sampling=True, prefix_reuse=True, trie_scoring=True
     )
     logits_budget = 2**26  # most logits one trie pass computes (256 MB in float32)
+    padding_slack = 0.25  # a verification forward computes at most this much padding
 
     def __init__(
         self,
@@ -111,11 +112,13 @@ class HFEngine:
         requests (the n slots of a prompt often hold the same draft) are computed once. With
         `prefixes`, the KV of every scored sequence is kept there for `generate`."""
         distinct, where = distinct_requests(requests)
-        scored: list[torch.Tensor] = []
-        for start in range(0, len(distinct), self.max_batch_size):
-            batch = distinct[start : start + self.max_batch_size]
-            scored.extend(self._logprob_batch(batch, prefixes))
-        return [scored[i] for i in where]
+        widths = [len(r.context_ids) + len(r.target_ids) for r in distinct]
+        scored: list[torch.Tensor | None] = [None] * len(distinct)
+        for batch in width_batches(widths, self.max_batch_size, self.padding_slack):
+            rows = self._logprob_batch([distinct[i] for i in batch], prefixes)
+            for i, row in zip(batch, rows, strict=True):
+                scored[i] = row
+        return [scored[i] for i in where]  # type: ignore[misc]
 
     def _logprob_batch(
         self, requests: Sequence[LogprobRequest], prefixes: PrefixCache | None
@@ -146,22 +149,20 @@ class HFEngine:
     def score_tries(
         self, requests: Sequence[TrieRequest], prefixes: PrefixCache | None = None
     ) -> list[TrieScores]:
-        """Every trie in one forward with a tree attention mask, in batches of at most
-        `max_batch_size` tries and `logits_budget` logits. With `prefixes`, the KV of every
-        node (and its distribution, when small) is kept there for `generate`."""
+        """Every trie in one forward with a tree attention mask, in batches of tries of similar
+        sizes (`width_batches`), of at most `logits_budget` logits. With `prefixes`, the KV of
+        every node (and its distribution, when small) is kept there for `generate`."""
         vocab = self.model.config.get_text_config().vocab_size
-        scored: list[TrieScores] = []
-        start = 0
-        while start < len(requests):
-            end = start + 1
-            while end < len(requests) and end - start < self.max_batch_size:
-                width = max(len(r.prompt_ids) + len(r.tokens) for r in requests[start : end + 1])
-                if (end + 1 - start) * width * vocab > self.logits_budget:
-                    break
-                end += 1
-            scored.extend(self._trie_batch(requests[start:end], prefixes))
-            start = end
-        return scored
+        widths = [len(r.prompt_ids) + len(r.tokens) for r in requests]
+        batches = width_batches(
+            widths, self.max_batch_size, self.padding_slack, self.logits_budget // vocab
+        )
+        scored: list[TrieScores | None] = [None] * len(requests)
+        for batch in batches:
+            rows = self._trie_batch([requests[i] for i in batch], prefixes)
+            for i, row in zip(batch, rows, strict=True):
+                scored[i] = row
+        return scored  # type: ignore[return-value]
 
     def _trie_batch(
         self, requests: Sequence[TrieRequest], prefixes: PrefixCache | None
@@ -223,6 +224,32 @@ class HFEngine:
             use_cache=cache is not None,
             logits_to_keep=keep,
         ).logits
+
+
+def width_batches(
+    widths: Sequence[int], max_rows: int, slack: float, max_positions: int | None = None
+) -> list[list[int]]:
+    """The indices of sequences of these widths grouped into forwards, each padded to its
+    widest: widest first, a batch takes the next while its positions, padding included, stay
+    within `1 + slack` times its real ones, and within `max_rows` rows and `max_positions`
+    positions. A forward costs its padding as it costs real tokens (on a CPU nearly in
+    proportion), and a batch of mixed sizes can be mostly padding."""
+    order = sorted(range(len(widths)), key=lambda i: -widths[i])
+    batches: list[list[int]] = []
+    for i in order:
+        if batches:
+            batch = batches[-1]
+            rows, widest = len(batch) + 1, widths[batch[0]]
+            real = sum(widths[j] for j in batch) + widths[i]
+            if (
+                rows <= max_rows
+                and rows * widest <= (1 + slack) * real
+                and (max_positions is None or rows * widest <= max_positions)
+            ):
+                batch.append(i)
+                continue
+        batches.append([i])
+    return batches
 
 
 def tree_inputs(
