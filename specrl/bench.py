@@ -248,8 +248,9 @@ def summarize(
     for arm, total in totals.items():
         a = total.ratios()["spec/reused_token_ratio"]
         # r_eff: seconds of verification (the verification pass, or the trie pass and walk) per
-        # reused token, over vanilla's seconds per decoded token
-        r_eff = total.verify_s / max(total.reused_tokens, 1) / decode_s
+        # reused token, over vanilla's seconds per decoded token (none where nothing was reused)
+        reused = total.reused_tokens
+        r_eff = total.verify_s / reused / decode_s if reused else None
         per_step = len(steps[arm]) or 1
         summary = {
             "rollout_time_s": total.rollout_s,
@@ -267,7 +268,7 @@ def summarize(
             "verified_tokens_per_step": total.verified_tokens / per_step,
             "trie_nodes_per_step": total.trie_nodes / per_step,
             "verify_cost_per_reused_token": r_eff,
-            "limit_speedup": 1.0 / ((1.0 - a) + r_eff * a),
+            "limit_speedup": 1.0 / ((1.0 - a) + (r_eff or 0.0) * a),
             "slowest_slot_forwards_per_step": total.slowest_forwards / per_step,
             "engine_time_s": total.engine_s,
             "perf": total.compute.metrics(),  # the engine's forwards, summed over the steps
