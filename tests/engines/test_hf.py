@@ -160,14 +160,20 @@ def test_identical_score_requests_are_computed_once(engine, tiny_model):
 
 def test_sequences_of_similar_widths_share_a_forward():
     widths = [10, 100, 9, 90, 8, 95, 30]
+    sequences = [[w] * w for w in widths]
     # widest first; 30 padded to 100: 400 positions for 315 real ones, over 1.25 x
-    assert width_batches(widths, 512, 0.25) == [[1, 5, 3], [6], [0, 2, 4]]
-    assert width_batches(widths, 2, 0.25) == [[1, 5], [3], [6], [0, 2], [4]]
-    assert width_batches(widths, 512, 0.25, max_positions=200) == [[1, 5], [3], [6], [0, 2, 4]]
-    assert width_batches(widths, 512, 10.0) == [[1, 5, 3, 6, 0, 2, 4]]
-    # every index exactly once, whatever the widths
-    batches = width_batches([3, 1, 4, 1, 5, 9, 2, 6], 3, 0.5)
-    assert sorted(i for batch in batches for i in batch) == list(range(8))
+    assert width_batches(sequences, 512, 0.25) == [[1, 5, 3], [6], [0, 2, 4]]
+    assert width_batches(sequences, 2, 0.25) == [[1, 5], [3], [6], [0, 2], [4]]
+    assert width_batches(sequences, 512, 0.25, 200) == [[1, 5], [3], [6], [0, 2, 4]]
+    assert width_batches(sequences, 512, 10.0) == [[1, 5, 3, 6, 0, 2, 4]]
+    assert width_batches([[1], [2]], 512, 0.25, widths=[5, 20]) == [[1], [0]]
+    # equal widths are ordered by their tokens: the same batches whatever order they come in
+    same = [[3, 1], [1, 2], [2, 2], [9, 9, 9, 9]]
+    batches = width_batches(same, 2, 0.25)
+    assert batches == [[3], [1, 2], [0]]
+    shuffled = [same[i] for i in (2, 0, 3, 1)]
+    named = [[shuffled[i] for i in b] for b in width_batches(shuffled, 2, 0.25)]
+    assert named == [[same[i] for i in b] for b in batches]
 
 
 def recorded_passes(model):

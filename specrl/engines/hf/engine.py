@@ -112,9 +112,9 @@ class HFEngine:
         requests (the n slots of a prompt often hold the same draft) are computed once. With
         `prefixes`, the KV of every scored sequence is kept there for `generate`."""
         distinct, where = distinct_requests(requests)
-        widths = [len(r.context_ids) + len(r.target_ids) for r in distinct]
+        sequences = [(*r.context_ids, *r.target_ids) for r in distinct]
         scored: list[torch.Tensor | None] = [None] * len(distinct)
-        for batch in width_batches(widths, self.max_batch_size, self.padding_slack):
+        for batch in width_batches(sequences, self.max_batch_size, self.padding_slack):
             rows = self._logprob_batch([distinct[i] for i in batch], prefixes)
             for i, row in zip(batch, rows, strict=True):
                 scored[i] = row
@@ -153,9 +153,10 @@ class HFEngine:
         sizes (`width_batches`), of at most `logits_budget` logits. With `prefixes`, the KV of
         every node (and its distribution, when small) is kept there for `generate`."""
         vocab = self.model.config.get_text_config().vocab_size
+        sequences = [(*r.prompt_ids, *r.tokens, *r.parents) for r in requests]
         widths = [len(r.prompt_ids) + len(r.tokens) for r in requests]
         batches = width_batches(
-            widths, self.max_batch_size, self.padding_slack, self.logits_budget // vocab
+            sequences, self.max_batch_size, self.padding_slack, self.logits_budget // vocab, widths
         )
         scored: list[TrieScores | None] = [None] * len(requests)
         for batch in batches:
@@ -227,14 +228,21 @@ class HFEngine:
 
 
 def width_batches(
-    widths: Sequence[int], max_rows: int, slack: float, max_positions: int | None = None
+    sequences: Sequence[Sequence[int]],
+    max_rows: int,
+    slack: float,
+    max_positions: int | None = None,
+    widths: Sequence[int] | None = None,
 ) -> list[list[int]]:
-    """The indices of sequences of these widths grouped into forwards, each padded to its
-    widest: widest first, a batch takes the next while its positions, padding included, stay
-    within `1 + slack` times its real ones, and within `max_rows` rows and `max_positions`
-    positions. A forward costs its padding as it costs real tokens (on a CPU nearly in
-    proportion), and a batch of mixed sizes can be mostly padding."""
-    order = sorted(range(len(widths)), key=lambda i: -widths[i])
+    """The indices of `sequences` grouped into forwards, each padded to its widest: widest
+    first, a batch takes the next while its positions, padding included, stay within
+    `1 + slack` times its real ones, and within `max_rows` rows and `max_positions` positions.
+    A forward costs its padding as it costs real tokens (on a CPU nearly in proportion), and a
+    batch of mixed sizes can be mostly padding. `widths`: the positions each sequence takes, if
+    not its length. Sequences of equal widths are ordered by their tokens, so the batches, and
+    the float rounding of what they compute, do not depend on the order they come in."""
+    widths = widths if widths is not None else [len(s) for s in sequences]
+    order = sorted(range(len(widths)), key=lambda i: (-widths[i], tuple(sequences[i])))
     batches: list[list[int]] = []
     for i in order:
         if batches:
