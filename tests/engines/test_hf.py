@@ -160,20 +160,19 @@ def test_identical_score_requests_are_computed_once(engine, tiny_model):
 
 def test_sequences_of_similar_widths_share_a_forward():
     widths = [10, 100, 9, 90, 8, 95, 30]
-    sequences = [[w] * w for w in widths]
+    keys = [(i,) for i in range(len(widths))]
     # widest first; 30 padded to 100: 400 positions for 315 real ones, over 1.25 x
-    assert width_batches(sequences, 512, 0.25) == [[1, 5, 3], [6], [0, 2, 4]]
-    assert width_batches(sequences, 2, 0.25) == [[1, 5], [3], [6], [0, 2], [4]]
-    assert width_batches(sequences, 512, 0.25, 200) == [[1, 5], [3], [6], [0, 2, 4]]
-    assert width_batches(sequences, 512, 10.0) == [[1, 5, 3, 6, 0, 2, 4]]
-    assert width_batches([[1], [2]], 512, 0.25, widths=[5, 20]) == [[1], [0]]
-    # equal widths are ordered by their tokens: the same batches whatever order they come in
-    same = [[3, 1], [1, 2], [2, 2], [9, 9, 9, 9]]
-    batches = width_batches(same, 2, 0.25)
+    assert width_batches(widths, keys, 512, 0.25) == [[1, 5, 3], [6], [0, 2, 4]]
+    assert width_batches(widths, keys, 2, 0.25) == [[1, 5], [3], [6], [0, 2], [4]]
+    assert width_batches(widths, keys, 512, 0.25, 200) == [[1, 5], [3], [6], [0, 2, 4]]
+    assert width_batches(widths, keys, 512, 10.0) == [[1, 5, 3, 6, 0, 2, 4]]
+    # equal widths are ordered by their keys: the same batches whatever order they come in
+    same = [(3, 1), (1, 2), (2, 2), (9, 9, 9, 9)]
+    batches = width_batches([len(k) for k in same], same, 2, 0.25)
     assert batches == [[3], [1, 2], [0]]
     shuffled = [same[i] for i in (2, 0, 3, 1)]
-    named = [[shuffled[i] for i in b] for b in width_batches(shuffled, 2, 0.25)]
-    assert named == [[same[i] for i in b] for b in batches]
+    regrouped = width_batches([len(k) for k in shuffled], shuffled, 2, 0.25)
+    assert [[shuffled[i] for i in b] for b in regrouped] == [[same[i] for i in b] for b in batches]
 
 
 def recorded_passes(model):

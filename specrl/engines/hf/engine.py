@@ -9,7 +9,7 @@ implemented: draft decoding, residual sampling, prefix reuse (a `PrefixCache` ha
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -108,17 +108,19 @@ class HFEngine:
     def logprobs(
         self, requests: Sequence[LogprobRequest], prefixes: PrefixCache | None = None
     ) -> list[torch.Tensor]:
-        """One forward pass per batch of up to `max_batch_size` distinct sequences. Identical
+        """One forward pass per batch of distinct sequences of similar widths (`width_batches`,
+        at most `max_batch_size` rows). Identical
         requests (the n slots of a prompt often hold the same draft) are computed once. With
         `prefixes`, the KV of every scored sequence is kept there for `generate`."""
         distinct, where = distinct_requests(requests)
-        sequences = [(*r.context_ids, *r.target_ids) for r in distinct]
-        scored: list[torch.Tensor | None] = [None] * len(distinct)
-        for batch in width_batches(sequences, self.max_batch_size, self.padding_slack):
-            rows = self._logprob_batch([distinct[i] for i in batch], prefixes)
-            for i, row in zip(batch, rows, strict=True):
-                scored[i] = row
-        return [scored[i] for i in where]  # type: ignore[misc]
+        batches = width_batches(
+            [len(r.context_ids) + len(r.target_ids) for r in distinct],
+            [(tuple(r.context_ids), tuple(r.target_ids)) for r in distinct],
+            self.max_batch_size,
+            self.padding_slack,
+        )
+        scored = _in_batches(distinct, batches, lambda b: self._logprob_batch(b, prefixes))
+        return [scored[i] for i in where]
 
     def _logprob_batch(
         self, requests: Sequence[LogprobRequest], prefixes: PrefixCache | None
@@ -153,17 +155,14 @@ class HFEngine:
         sizes (`width_batches`), of at most `logits_budget` logits. With `prefixes`, the KV of
         every node (and its distribution, when small) is kept there for `generate`."""
         vocab = self.model.config.get_text_config().vocab_size
-        sequences = [(*r.prompt_ids, *r.tokens, *r.parents) for r in requests]
-        widths = [len(r.prompt_ids) + len(r.tokens) for r in requests]
         batches = width_batches(
-            sequences, self.max_batch_size, self.padding_slack, self.logits_budget // vocab, widths
+            [len(r.prompt_ids) + len(r.tokens) for r in requests],
+            [(tuple(r.prompt_ids), tuple(r.tokens), tuple(r.parents)) for r in requests],
+            self.max_batch_size,
+            self.padding_slack,
+            self.logits_budget // vocab,
         )
-        scored: list[TrieScores | None] = [None] * len(requests)
-        for batch in batches:
-            rows = self._trie_batch([requests[i] for i in batch], prefixes)
-            for i, row in zip(batch, rows, strict=True):
-                scored[i] = row
-        return scored  # type: ignore[return-value]
+        return _in_batches(requests, batches, lambda b: self._trie_batch(b, prefixes))
 
     def _trie_batch(
         self, requests: Sequence[TrieRequest], prefixes: PrefixCache | None
@@ -228,36 +227,48 @@ class HFEngine:
 
 
 def width_batches(
-    sequences: Sequence[Sequence[int]],
+    widths: Sequence[int],
+    keys: Sequence[tuple],
     max_rows: int,
     slack: float,
     max_positions: int | None = None,
-    widths: Sequence[int] | None = None,
 ) -> list[list[int]]:
-    """The indices of `sequences` grouped into forwards, each padded to its widest: widest
-    first, a batch takes the next while its positions, padding included, stay within
-    `1 + slack` times its real ones, and within `max_rows` rows and `max_positions` positions.
-    A forward costs its padding as it costs real tokens (on a CPU nearly in proportion), and a
-    batch of mixed sizes can be mostly padding. `widths`: the positions each sequence takes, if
-    not its length. Sequences of equal widths are ordered by their tokens, so the batches, and
-    the float rounding of what they compute, do not depend on the order they come in."""
-    widths = widths if widths is not None else [len(s) for s in sequences]
-    order = sorted(range(len(widths)), key=lambda i: (-widths[i], tuple(sequences[i])))
+    """The indices of sequences `widths` positions wide grouped into forwards, each padded to
+    its widest: widest first, a batch takes the next while its positions, padding included,
+    stay within `1 + slack` times its real ones, and within `max_rows` rows and `max_positions`
+    positions. A forward costs its padding as it costs real tokens (on a CPU nearly in
+    proportion), and a batch of mixed sizes can be mostly padding. Equal widths are ordered by
+    their `keys` (the sequences' tokens), so the batches, and the float rounding of what they
+    compute, do not depend on the order the sequences come in."""
+    order = sorted(range(len(widths)), key=lambda i: (-widths[i], keys[i]))
     batches: list[list[int]] = []
+    real = 0  # the last batch's real positions
     for i in order:
         if batches:
             batch = batches[-1]
-            rows, widest = len(batch) + 1, widths[batch[0]]
-            real = sum(widths[j] for j in batch) + widths[i]
+            padded = (len(batch) + 1) * widths[batch[0]]
             if (
-                rows <= max_rows
-                and rows * widest <= (1 + slack) * real
-                and (max_positions is None or rows * widest <= max_positions)
+                len(batch) < max_rows
+                and padded <= (1 + slack) * (real + widths[i])
+                and (max_positions is None or padded <= max_positions)
             ):
                 batch.append(i)
+                real += widths[i]
                 continue
         batches.append([i])
+        real = widths[i]
     return batches
+
+
+def _in_batches(
+    requests: Sequence, batches: list[list[int]], compute: Callable[[list], list]
+) -> list:
+    """`compute` of each batch of `requests` (indices), its results back in the requests' order."""
+    out: list = [None] * len(requests)
+    for batch in batches:
+        for i, result in zip(batch, compute([requests[i] for i in batch]), strict=True):
+            out[i] = result
+    return out
 
 
 def tree_inputs(
