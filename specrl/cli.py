@@ -167,6 +167,13 @@ def build_parser() -> argparse.ArgumentParser:
             help=f"{what} (default: the built-in policy's; another builds into the cache)",
         )
     toy.add_argument(
+        "--sft-lr",
+        type=float,
+        dest="sft_lr",
+        help="warm-start peak learning rate (default: the built-in policy's 3e-3; wider "
+        "models may need less)",
+    )
+    toy.add_argument(
         "--device",
         default="cpu",
         choices=["cpu", "cuda"],
@@ -291,7 +298,7 @@ def _toy_policy(args: argparse.Namespace) -> int:
 
     from specrl.toy_policy import ToyPolicySpec, ensure_toy_policy
 
-    sizes = ("hidden_size", "num_layers", "num_heads", "sft_steps")
+    sizes = ("hidden_size", "num_layers", "num_heads", "sft_steps", "sft_lr")
     spec = ToyPolicySpec(
         task=args.task, **{k: getattr(args, k) for k in sizes if getattr(args, k) is not None}
     )
@@ -299,6 +306,8 @@ def _toy_policy(args: argparse.Namespace) -> int:
         raise UserError("--hidden-size, --layers and --heads must be at least 1")
     if spec.sft_steps < 20:  # the one-cycle schedule warms up over a tenth of them
         raise UserError(f"--sft-steps {spec.sft_steps}: the warm start needs at least 20")
+    if not 0 < spec.sft_lr < 1:
+        raise UserError(f"--sft-lr {spec.sft_lr}: a learning rate in (0, 1)")
     if spec.hidden_size % spec.num_heads:
         raise UserError(
             f"--hidden-size {spec.hidden_size} is not a multiple of --heads {spec.num_heads}"

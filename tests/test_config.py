@@ -320,3 +320,20 @@ def test_nccl_weight_sync_needs_one_learner_rank(monkeypatch):
 )
 def test_verify_mode_auto_verifies_inside_decoding_on_vllm_under_the_exact_rule(overrides, mode):
     assert load_config(None, overrides).rollout.spec.verify_mode == mode
+
+
+@pytest.mark.parametrize(
+    "flags, said",
+    [
+        (["--sft-lr", "0"], "--sft-lr 0.0: a learning rate in (0, 1)"),
+        (["--sft-steps", "10"], "--sft-steps 10: the warm start needs at least 20"),
+        (
+            ["--hidden-size", "30", "--heads", "4"],
+            "--hidden-size 30 is not a multiple of --heads 4",
+        ),
+    ],
+)
+def test_bad_toy_policy_flags_are_one_line_before_any_build(capsys, monkeypatch, flags, said):
+    monkeypatch.setattr("specrl.toy_policy.ensure_toy_policy", pytest.fail)
+    assert main(["toy-policy", *flags]) == 2
+    assert capsys.readouterr().err.strip() == f"specrl: error: {said}"

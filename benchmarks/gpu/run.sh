@@ -9,7 +9,7 @@
 # specrl runs from this working tree (PYTHONPATH); the pure-Python dependencies that machine
 # lacks travel as wheels in .whl/ (benchmarks/gpu/wheels.sh, run where pip works). --dry-run runs
 # every command with a tiny policy and run on the CPU: what CI checks.
-# Sizes and lengths: HIDDEN, LAYERS, HEADS, SFT_STEPS, STEPS, TRAIN_SIZE (environment).
+# Sizes and lengths: HIDDEN, LAYERS, HEADS, SFT_STEPS, SFT_LR, STEPS, TRAIN_SIZE (environment).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 dry=0
@@ -41,7 +41,7 @@ if [ "$dry" = 1 ]; then
 else
   device=cuda
   build=(--hidden-size "${HIDDEN:-512}" --layers "${LAYERS:-8}" --heads "${HEADS:-8}"
-         --sft-steps "${SFT_STEPS:-600}")
+         --sft-steps "${SFT_STEPS:-800}" --sft-lr "${SFT_LR:-1e-3}")
   # the default task, shortened: TRAIN_SIZE / 32 steps per epoch, reuse from the second
   run=(data.train_size="${TRAIN_SIZE:-256}" data.val_size=256
        trainer.total_training_steps="${STEPS:-24}" trainer.test_freq=8
