@@ -38,7 +38,7 @@ from specrl.engines.hf import HFEngine
 from specrl.errors import UserError
 from specrl.models import eos_token_ids, load_policy
 from specrl.plots import plot_metrics
-from specrl.projection import calibrate, machine_check, recorded_steps
+from specrl.projection import calibrate, check_lines, machine_check, recorded_steps
 from specrl.run_dir import heldout_metric
 from specrl.speculative.stats import RolloutStats
 from specrl.threads import run_threads
@@ -134,12 +134,8 @@ def run_bench(
     result["model_shape"] = asdict(shape)
     if cfg.rollout.name == "hf":
         result["cost_model_check"] = check = _check_cost_model(cfg, runs, shape, model_dir)
-        for arm, c in check["arms"].items():
-            log(
-                f"bench: cost model on this machine: {arm} engine calls predicted "
-                f"{c['predicted_s']:.1f} s, measured {c['measured_s']:.1f} s ({c['residual']:+.1%}); "
-                f"host work {c['host_s']:.1f} s"
-            )
+        for line in check_lines(check):
+            log(f"bench: cost model on this machine: {line}")
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "bench.json").write_text(json.dumps(result, indent=2))
     title = f"specrl bench: {', '.join(arms)} ({cfg.rollout.spec.acceptance} rule)"
@@ -183,8 +179,8 @@ def timing_warnings(result: dict[str, Any], load: dict[str, list[float]], cores:
 def _check_cost_model(
     cfg: Config, runs: dict[str, list[list[dict[str, float]]]], shape: ModelShape, model_dir: Path
 ) -> dict[str, Any]:
-    """The cost model on this machine: constants from timed calls of a transformers engine on
-    the bench's policy (the arms' threads and device), every arm's time in engine calls
+    """The cost model on this machine: constants from timed forwards of a transformers engine
+    on the bench's policy (the arms' threads and device), every arm's seconds in forwards
     predicted from its steps."""
     policy, tokenizer = load_policy(model_dir, cfg.model.dtype)
     engine = HFEngine(

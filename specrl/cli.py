@@ -249,7 +249,7 @@ def _project(bench_dir: str, device: str, model: str, stretch: str) -> int:
     from pathlib import Path
 
     from specrl.cost_model import Device, ModelShape
-    from specrl.projection import project_bench
+    from specrl.projection import check_lines, project_bench
 
     try:
         stretches = [float(s) for s in stretch.split(",")]
@@ -261,12 +261,9 @@ def _project(bench_dir: str, device: str, model: str, stretch: str) -> int:
     result = project_bench(Path(bench_dir), target, shape, stretches)
     check = result["check"]
     if check:
-        print(f"cost model on {result['measured_on']}, engine calls (host work apart):")
-        for arm, c in check["arms"].items():
-            print(
-                f"  {arm:>10}: measured {c['measured_s']:8.1f} s, predicted "
-                f"{c['predicted_s']:8.1f} s ({c['residual']:+.1%}); host {c['host_s']:.1f} s"
-            )
+        print(f"cost model on {result['measured_on']}:")
+        for line in check_lines(check):
+            print(f"  {line}")
     print(
         f"PROJECTION (not a measurement) for {shape.name} ({shape.params / 1e9:.2f}B parameters) "
         f"on {target.name}: {target.source}"

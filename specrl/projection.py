@@ -1,12 +1,14 @@
 """A bench's rollout stages priced by the cost model: checked on the machine that ran them, then
 projected to a named device and model shape (`specrl project`).
 
-The check: this machine's constants (overhead per forward, FLOP/s, bytes/s) are fitted to timed
-calls of the engine at varied sizes (`calibrate`: none of them a bench step), then every arm's
-time in engine calls is predicted from its own recorded forwards and compared with what was
-measured (the rest of a rollout stage is host work: walks, cuts, bookkeeping). The projection
-prices the same forwards for another model on another device, optionally with the responses
-stretched.
+The check: this machine's constants (overhead per forward, FLOP/s, bytes/s) are fitted to the
+timed forwards of engine calls at varied sizes (`calibrate`: none of them a bench step), then
+every arm's seconds in forwards are predicted from its own recorded forwards and compared with
+what the engine measured (`perf/<kind>/seconds`; where a run has none, vLLM's, its time in
+engine calls). The rest of a rollout stage is host work, inside the engine's calls (masks, KV
+gathered from a verification pass, first tokens, drafts) and outside them (walks, cuts,
+bookkeeping): measured, reported apart, and carried over as it is. The projection prices the
+same forwards for another model on another device, optionally with the responses stretched.
 """
 
 from __future__ import annotations
@@ -14,7 +16,6 @@ from __future__ import annotations
 import copy
 import json
 import sys
-import time
 from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
@@ -46,8 +47,8 @@ def recorded_steps(history: list[dict[str, float]]) -> Steps:
 
 def calibrate(engine: HFEngine, shape: ModelShape, seed: int = 0) -> Device:
     """This machine as a `Device`: the engine's generate, scoring and trie calls at varied
-    batch sizes and lengths (decodes as long as a bench's: the KV cache grows), each timed and
-    counted, fitted by `fit_device`."""
+    batch sizes and lengths (decodes as long as a bench's: the KV cache grows), their forwards
+    counted and timed, fitted by `fit_device`."""
     rng = np.random.default_rng(seed)
     vocab = shape.vocab
 
@@ -80,21 +81,23 @@ def calibrate(engine: HFEngine, shape: ModelShape, seed: int = 0) -> Device:
         calls.append(lambda r=requests: engine.score_tries(r))
     timed = []
     for call in calls:  # each call's fastest of three: what the machine does undisturbed
-        seconds = []
+        runs = []
         for _ in range(3):
-            before, started = copy.copy(engine.counts), time.perf_counter()
+            before = copy.copy(engine.counts)
             call()
-            seconds.append(time.perf_counter() - started)
-        timed.append((engine.counts - before, min(seconds)))
+            runs.append(engine.counts - before)
+        counts = min(runs, key=lambda c: c.seconds)
+        timed.append((counts, counts.seconds))
     return fit_device(timed, shape, "this machine")
 
 
 def machine_check(arms: dict[str, Steps], shape: ModelShape, device: Device) -> dict[str, Any]:
-    """Every arm's time in engine calls predicted from its recorded forwards on this machine's
-    `calibrate`d constants: → the constants and, per arm, measured and predicted engine seconds,
-    their relative residual, and the host work that completes the rollout time."""
+    """Every arm's seconds in forwards predicted from its recorded forwards on this machine's
+    `calibrate`d constants: → the constants and, per arm, measured and predicted seconds, their
+    relative residual, and the host work (inside the engine's calls and outside them) that
+    completes the rollout time."""
     out: dict[str, Any] = {
-        "calibrated_on": "timed engine calls of varied sizes (no bench step)",
+        "calibrated_on": "timed forwards of engine calls of varied sizes (no bench step)",
         "overhead_ms_per_forward": device.overhead_s * 1e3,
         "gflops_per_s": device.peak_flops / 1e9,
         "gbytes_per_s": device.bandwidth / 1e9,
@@ -102,20 +105,34 @@ def machine_check(arms: dict[str, Steps], shape: ModelShape, device: Device) -> 
         "arms": {},
     }
     for arm, steps in arms.items():
-        measured = sum(engine for _, engine, _ in steps)
+        engine = sum(seconds for _, seconds, _ in steps)
+        forwards = sum(counts.seconds for counts, _, _ in steps)
+        measured = forwards or engine  # runs without forward timings: their engine calls
         predicted = sum(step_seconds(counts, shape, device) for counts, _, _ in steps)
         residual = predicted / measured - 1 if measured else 0.0
         rollout = sum(seconds for _, _, seconds in steps)
         out["arms"][arm] = {
+            "compared": "forwards" if forwards else "engine calls",
             "measured_s": measured,
             "predicted_s": predicted,
             "residual": residual,
             "within_tolerance": abs(residual) <= CHECK_TOLERANCE,
-            "host_s": rollout - measured,
+            "engine_host_s": engine - measured,
+            "host_s": rollout - engine,
             "measured_rollout_s": rollout,
             "predicted_rollout_s": predicted + rollout - measured,
         }
     return out
+
+
+def check_lines(check: dict[str, Any]) -> list[str]:
+    """`machine_check`'s result, a line per arm."""
+    return [
+        f"{arm}: {c.get('compared', 'engine calls')} measured {c['measured_s']:.1f} s, predicted "
+        f"{c['predicted_s']:.1f} s ({c['residual']:+.1%}); host work {c.get('engine_host_s', 0):.1f} s "
+        f"in engine calls, {c['host_s']:.1f} s around them"
+        for arm, c in check["arms"].items()
+    ]
 
 
 def project(

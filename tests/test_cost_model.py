@@ -16,7 +16,7 @@ from specrl.cost_model import (
     step_seconds,
     stretched,
 )
-from specrl.engines.accounting import ForwardCounts
+from specrl.engines.accounting import KINDS, ForwardCounts
 from specrl.errors import UserError
 from tests.conftest import read_metrics, small_config
 
@@ -111,10 +111,14 @@ def test_bench_checks_the_cost_model_and_project_prices_its_trace(
     result = run_bench(cfg, out, ("vanilla", "trie"), log=lambda _: None)
     check = result["cost_model_check"]
     assert check["gflops_per_s"] > 0 and set(check["arms"]) == {"vanilla", "trie"}
-    for name, arm in check["arms"].items():  # engine calls and host work: the rollout time
-        assert arm["measured_s"] > 0 and math.isfinite(arm["residual"])
-        assert arm["measured_s"] + arm["host_s"] == pytest.approx(arm["measured_rollout_s"])
-        assert arm["measured_s"] == pytest.approx(result["arms"][name]["engine_time_s"])
+    for name, arm in check["arms"].items():  # forwards and host work: the rollout time
+        assert arm["compared"] == "forwards" and arm["measured_s"] > 0
+        assert math.isfinite(arm["residual"]) and arm["engine_host_s"] > 0
+        engine = arm["measured_s"] + arm["engine_host_s"]
+        assert engine == pytest.approx(result["arms"][name]["engine_time_s"])
+        assert engine + arm["host_s"] == pytest.approx(arm["measured_rollout_s"])
+        seconds = sum(result["arms"][name]["perf"][f"timing_s/forward/{k}"] for k in KINDS)
+        assert arm["measured_s"] == pytest.approx(seconds)
     steps = [m for m in read_metrics(out / "trie") if m["training/global_step"] > 0]
     perf = result["arms"]["trie"]["perf"]  # bench.json: each arm's forwards summed
     assert perf["perf/verify/forwards"] == sum(m["perf/verify/forwards"] for m in steps) > 0

@@ -9,8 +9,11 @@ grew over a call in its `RolloutStats`, logged per step as `perf/<kind>/<quantit
 - quantities: `forwards` (model calls, one after another: the latency path of the kind),
   `rows` (sequences, summed over forwards), `positions` (token positions computed, padding
   excluded), `draft_positions` (decode: of which draft tokens), `kv_reads` (KV entries read:
-  each row reads its whole context once per forward) and `attended` (query-key pairs: the
-  attention FLOPs follow them).
+  each row reads its whole context once per forward), `attended` (query-key pairs: the
+  attention FLOPs follow them); and, logged as `timing_s/forward/<kind>`, the wall seconds
+  inside the kind's forwards as the engine timed them, synchronised on a GPU: what the cost
+  model prices, apart from the engine's host work around them (0 on vLLM, which runs its
+  forwards inside its own steps).
 
 The transformers engine counts its own forwards exactly. vLLM schedules internally: its
 forwards are the engine steps, and the positions and KV reads are derived from the requests
@@ -43,6 +46,9 @@ class ForwardCounts:
     verify_positions: int = 0
     verify_kv_reads: int = 0
     verify_attended: int = 0
+    prefill_seconds: float = 0.0
+    decode_seconds: float = 0.0
+    verify_seconds: float = 0.0
 
     def record(
         self,
@@ -70,6 +76,18 @@ class ForwardCounts:
             name = f"{kind}_{quantity}"
             setattr(self, name, getattr(self, name) + int(value))
 
+    def add_seconds(self, kind: str, seconds: float) -> None:
+        """Add the wall seconds of a forward of `kind`."""
+        if kind not in KINDS:
+            raise ValueError(f"forward kind {kind!r} is none of {KINDS}")
+        name = f"{kind}_seconds"
+        setattr(self, name, getattr(self, name) + seconds)
+
+    @property
+    def seconds(self) -> float:
+        """Wall seconds inside forwards, every kind."""
+        return self.prefill_seconds + self.decode_seconds + self.verify_seconds
+
     def __add__(self, other: ForwardCounts) -> ForwardCounts:
         return ForwardCounts(
             **{f.name: getattr(self, f.name) + getattr(other, f.name) for f in fields(self)}
@@ -82,11 +100,12 @@ class ForwardCounts:
 
     def side_by_side(self, other: ForwardCounts) -> ForwardCounts:
         """Two engines that ran at the same time (rollout workers): the work adds up, the
-        forwards one after another are the longer sequence's."""
+        forwards one after another and their seconds are the longer sequence's."""
         out = self + other
         for kind in KINDS:
-            name = f"{kind}_forwards"
-            setattr(out, name, max(getattr(self, name), getattr(other, name)))
+            for quantity in ("forwards", "seconds"):
+                name = f"{kind}_{quantity}"
+                setattr(out, name, max(getattr(self, name), getattr(other, name)))
         return out
 
     def metrics(self) -> dict[str, float]:
@@ -96,7 +115,9 @@ class ForwardCounts:
     def from_metrics(cls, metrics: Mapping[str, float]) -> ForwardCounts:
         return cls(
             **{
-                f.name: int(metrics[metric_name(f.name)])
+                f.name: (float if f.name.endswith("_seconds") else int)(
+                    metrics[metric_name(f.name)]
+                )
                 for f in fields(cls)
                 if metric_name(f.name) in metrics
             }
@@ -104,7 +125,10 @@ class ForwardCounts:
 
 
 def metric_name(field_name: str) -> str:
+    """perf/<kind>/<quantity>; the seconds, a timing that no two runs repeat, under timing_s/."""
     kind, quantity = field_name.split("_", 1)
+    if quantity == "seconds":
+        return f"timing_s/forward/{kind}"
     return f"perf/{kind}/{quantity}"
 
 

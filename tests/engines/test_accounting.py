@@ -26,6 +26,21 @@ def test_decoding_counts_one_position_per_row_and_forward():
     assert (c.decode_forwards, c.decode_rows, c.decode_positions) == (max(n), sum(n), sum(n))
     assert (c.decode_kv_reads, c.decode_attended, c.decode_draft_positions) == (reads, reads, 0)
     assert c.verify_forwards == 0
+    # each forward timed under its kind
+    assert c.prefill_seconds > 0 and c.decode_seconds > 0 and c.verify_seconds == 0
+    assert c.seconds == c.prefill_seconds + c.decode_seconds
+
+
+def test_engines_side_by_side_add_work_and_take_the_longer_forwards_and_seconds():
+    a, b = ForwardCounts(), ForwardCounts()
+    a.record("decode", 8, 8, 80, 80, forwards=4)
+    a.add_seconds("decode", 0.5)
+    b.record("decode", 6, 6, 50, 50, forwards=6)
+    b.add_seconds("decode", 0.25)
+    both = a.side_by_side(b)
+    assert (both.decode_rows, both.decode_kv_reads) == (14, 130)
+    assert (both.decode_forwards, both.decode_seconds) == (6, 0.5)
+    assert ForwardCounts.from_metrics(both.metrics()) == both
 
 
 def test_drafts_are_positions_of_the_decode_forwards_that_verify_them():
@@ -59,6 +74,7 @@ def test_scoring_and_tries_count_every_position_they_compute():
     hf.score_tries([TrieRequest([3, 4, 5], [0, 1, 1], [6, 7, 8])])
     c = hf.counts
     assert (c.verify_forwards, c.verify_rows, c.verify_positions, c.verify_kv_reads) == (1, 1, 6, 6)
+    assert c.verify_seconds > 0 and c.prefill_seconds == c.decode_seconds == 0
     assert c.verify_attended == 6 + (3 + 1) + 2 * (
         3 + 2
     )  # the prompt causal, each node: prompt + path

@@ -31,7 +31,8 @@ from specrl.engines.sampling import (
 )
 from specrl.types import FinishReason
 
-Forward = Callable[..., torch.Tensor]  # (ids, attention, positions, cache, keep=0) → logits
+# (kind, ids, attention, positions, cache, keep=0) → logits, its seconds counted under kind
+Forward = Callable[..., torch.Tensor]
 
 
 @dataclass
@@ -89,7 +90,7 @@ class Decoder:
             proposed = torch.tensor(list(map(len, drafts)), device=self.device)  # [B]
             cols = torch.arange(width + 1, device=self.device)
             attention = torch.cat([attention, (cols[None] <= proposed[:, None]).long()], dim=1)
-            logits = self.forward(fed, attention, positions[:, None] + cols, cache)  # [B, K+1, V]
+            logits = self.forward("decode", fed, attention, positions[:, None] + cols, cache)
             self._count_decode(attention, proposed)
             # columns past a row's own drafts are never emitted; clamped, they read any uniform
             at = (done[:, None] + cols).clamp(max=uniforms.shape[1] - 1)
@@ -276,7 +277,7 @@ class Decoder:
             ids, attention = left_pad([heads[i] for i in compute], self.pad_token_id, self.device)
             cache = DynamicCache()
             positions = (attention.cumsum(-1) - 1).clamp(min=0)
-            self.forward(ids, attention, positions, cache, keep=1)
+            self.forward("prefill", ids, attention, positions, cache, keep=1)
             self.counts.record("prefill", *prefill_counts(attention))
             parts.append((compute, layers_kv(cache), attention))
         if empty:  # single-token contexts: nothing to prefill

@@ -9,6 +9,7 @@ implemented: draft decoding, residual sampling, prefix reuse (a `PrefixCache` ha
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
@@ -133,7 +134,7 @@ class HFEngine:
         # only the last n + 1 columns need logits (the prompts' columns only need their KV); the
         # last one predicts the token after the sequence.
         n = max(len(r.target_ids) for r in requests)
-        logits = self.forward(ids, attention, positions, cache, keep=n + 1)  # [B, n + 1, V]
+        logits = self.forward("verify", ids, attention, positions, cache, keep=n + 1)
         self.counts.record("verify", *prefill_counts(attention))
         sampling = RowSampling.of([r.sampling for r in requests], self.device).repeat(n + 1)
         distributions = sampling_logprobs(logits.reshape(-1, logits.shape[-1]), sampling)
@@ -177,7 +178,8 @@ class HFEngine:
         most = max(len(r.tokens) for r in requests)
         # the last prompt column and every node column: their logits give the distribution
         # after the root and after each node
-        logits = self.forward(ids, bias[:, None].to(self.device), positions, cache, keep=most + 1)
+        bias = bias[:, None].to(self.device)
+        logits = self.forward("verify", ids, bias, positions, cache, keep=most + 1)
         pairs = int((mask & attention.bool()[:, :, None].cpu()).sum())
         real = attention.sum(1)
         self.counts.record("verify", len(requests), int(real.sum()), int(real.sum()), pairs)
@@ -209,14 +211,18 @@ class HFEngine:
 
     def forward(
         self,
+        kind: str,
         ids: torch.Tensor,
         attention: torch.Tensor,
         positions: torch.Tensor,
         cache: DynamicCache | None,
         keep: int = 0,
     ) -> torch.Tensor:
-        """Logits [B, T, V] of the last `keep` columns (0: all of them)."""
-        return self.model(
+        """Logits [B, T, V] of the last `keep` columns (0: all of them), the forward's seconds
+        counted under `kind` (on a GPU once its kernels have run: the loop reads the logits
+        right after anyway)."""
+        started = time.perf_counter()
+        logits = self.model(
             input_ids=ids,
             attention_mask=attention,
             position_ids=positions,
@@ -224,6 +230,10 @@ class HFEngine:
             use_cache=cache is not None,
             logits_to_keep=keep,
         ).logits
+        if logits.is_cuda:
+            torch.cuda.synchronize(logits.device)
+        self.counts.add_seconds(kind, time.perf_counter() - started)
+        return logits
 
 
 def width_batches(
