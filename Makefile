@@ -1,8 +1,9 @@
 test:
 	pytest
+	pytest -m ray
 
 fast:
-	pytest -m "not slow"
+	pytest -m "not slow and not ray and not realmodel"
 
 lint:
 	ruff check .
