@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import functools
 import json
+import math
 import os
 import platform
 from collections.abc import Sequence
@@ -145,10 +146,14 @@ def run_bench(
     return result
 
 
+EPOCH0_TOLERANCE = 0.15  # the arms' first epochs, the same work, may differ this much
+
+
 def timing_warnings(result: dict[str, Any], load: dict[str, list[float]], cores: int) -> list[str]:
     """What makes the timings of a bench untrustworthy: a machine already busy when it started
     (1-minute load average ≥ half the cores), busier than the runs themselves make it (≥ 1.5x
-    the cores after a run), or an arm faster per response token than its own limit
+    the cores after a run), an arm whose first epoch (nothing to reuse yet: the same work as
+    vanilla's) took a different time, or an arm faster per response token than its own limit
     `1 / ((1 − a) + r_eff · a)`, which only a disturbed vanilla arm produces."""
     warnings = []
     if load["start"][0] >= cores / 2:
@@ -163,7 +168,15 @@ def timing_warnings(result: dict[str, Any], load: dict[str, list[float]], cores:
             f"load average ≥ {1.5 * cores:g} on {cores} cores): other work disturbed the timings"
         )
     vanilla_tokens = result["arms"]["vanilla"]["response_tokens"]
+    first = result["arms"]["vanilla"]["epoch0_rollout_s"]
     for arm, summary in result["arms"].items():
+        apart = summary["epoch0_rollout_s"] / first - 1 if first else 0.0
+        if arm != "vanilla" and abs(apart) > EPOCH0_TOLERANCE:
+            warnings.append(
+                f"the {arm} arm's first epoch, the same work as vanilla's, took "
+                f"{summary['epoch0_rollout_s']:.1f} s against {first:.1f} s ({apart:+.0%}): the "
+                "machine's speed moved during the bench; compare within arms, or rerun alone"
+            )
         # the limit holds per response token: arms that train apart sample responses of their
         # own lengths (on a real model, visibly)
         speedup = summary["rollout_speedup"] * summary["response_tokens"] / max(vanilla_tokens, 1)
@@ -252,6 +265,10 @@ def summarize(
             "rollout_time_s": total.rollout_s,
             "step_time_s": step_time[arm],
             "rollout_speedup": totals["vanilla"].rollout_s / total.rollout_s,
+            # epoch 0 has nothing to reuse: the same work in every arm, a check of the machine
+            "epoch0_rollout_s": _total(_epochs(steps[arm], 0, 0), "timing_s/rollout"),
+            "rollout_speedup_after_epoch0": _total(_epochs(steps["vanilla"], 1), "timing_s/rollout")
+            / max(_total(_epochs(steps[arm], 1), "timing_s/rollout"), 1e-9),
             "step_speedup": step_time["vanilla"] / step_time[arm],
             "final_acc": _mean(final[arm]),
             "final_acc_per_seed": final[arm],
@@ -359,13 +376,16 @@ def _episodes(steps: list[dict[str, float]]) -> dict[str, Any]:
     return out
 
 
+def _epochs(steps: list[dict[str, float]], first: int, last: float = math.inf) -> list[dict]:
+    """The steps of epochs `first` to `last`."""
+    return [m for m in steps if first <= m["training/epoch"] <= last]
+
+
 def _per_epoch(steps: list[dict[str, float]]) -> dict[str, float]:
     """The reused token ratio of each epoch ("0": the first, which has nothing to reuse)."""
     epochs = sorted({int(m["training/epoch"]) for m in steps})
     return {
-        str(e): RolloutStats.of_steps([m for m in steps if m["training/epoch"] == e]).ratios()[
-            "spec/reused_token_ratio"
-        ]
+        str(e): RolloutStats.of_steps(_epochs(steps, e, e)).ratios()["spec/reused_token_ratio"]
         for e in epochs
     }
 

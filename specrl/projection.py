@@ -87,7 +87,7 @@ def calibrate(engine: HFEngine, shape: ModelShape, seed: int = 0) -> Device:
             call()
             runs.append(engine.counts - before)
         counts = min(runs, key=lambda c: c.seconds)
-        timed.append((counts, counts.seconds))
+        timed.append((counts.as_computed(), counts.seconds))
     return fit_device(timed, shape, "this machine")
 
 
@@ -108,7 +108,7 @@ def machine_check(arms: dict[str, Steps], shape: ModelShape, device: Device) -> 
         engine = sum(seconds for _, seconds, _ in steps)
         forwards = sum(counts.seconds for counts, _, _ in steps)
         measured = forwards or engine  # runs without forward timings: their engine calls
-        predicted = sum(step_seconds(counts, shape, device) for counts, _, _ in steps)
+        predicted = sum(step_seconds(c.as_computed(), shape, device) for c, _, _ in steps)
         residual = predicted / measured - 1 if measured else 0.0
         rollout = sum(seconds for _, _, seconds in steps)
         out["arms"][arm] = {

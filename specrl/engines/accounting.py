@@ -10,7 +10,10 @@ grew over a call in its `RolloutStats`, logged per step as `perf/<kind>/<quantit
   `rows` (sequences, summed over forwards), `positions` (token positions computed, padding
   excluded), `draft_positions` (decode: of which draft tokens), `kv_reads` (KV entries read:
   each row reads its whole context once per forward), `attended` (query-key pairs: the
-  attention FLOPs follow them); and, logged as `timing_s/forward/<kind>`, the wall seconds
+  attention FLOPs follow them), `computed_positions` and `computed_kv_reads` (the same,
+  padding included: what an engine that pads its batches computed; the transformers engine pads
+  its rows to the widest, a paged engine does not); and, logged as `timing_s/forward/<kind>`,
+  the wall seconds
   inside the kind's forwards as the engine timed them, synchronised on a GPU: what the cost
   model prices, apart from the engine's host work around them (0 on vLLM, which runs its
   forwards inside its own steps).
@@ -22,6 +25,7 @@ forwards are the engine steps, and the positions and KV reads are derived from t
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
 
@@ -46,6 +50,12 @@ class ForwardCounts:
     verify_positions: int = 0
     verify_kv_reads: int = 0
     verify_attended: int = 0
+    prefill_computed_positions: int = 0
+    prefill_computed_kv_reads: int = 0
+    decode_computed_positions: int = 0
+    decode_computed_kv_reads: int = 0
+    verify_computed_positions: int = 0
+    verify_computed_kv_reads: int = 0
     prefill_seconds: float = 0.0
     decode_seconds: float = 0.0
     verify_seconds: float = 0.0
@@ -59,16 +69,21 @@ class ForwardCounts:
         attended: int,
         draft_positions: int = 0,
         forwards: int = 1,
+        computed: tuple[int, int] | None = None,
     ) -> None:
-        """Add `forwards` model calls of `kind` (one, unless an engine reports several)."""
+        """Add `forwards` model calls of `kind` (one, unless an engine reports several);
+        `computed`: their (positions, KV reads) with padding (None: no padding)."""
         if kind not in KINDS:
             raise ValueError(f"forward kind {kind!r} is none of {KINDS}")
+        computed_positions, computed_kv_reads = computed or (positions, kv_reads)
         values = {
             "forwards": forwards,
             "rows": rows,
             "positions": positions,
             "kv_reads": kv_reads,
             "attended": attended,
+            "computed_positions": computed_positions,
+            "computed_kv_reads": computed_kv_reads,
         }
         if kind == "decode":
             values["draft_positions"] = draft_positions
@@ -82,6 +97,16 @@ class ForwardCounts:
             raise ValueError(f"forward kind {kind!r} is none of {KINDS}")
         name = f"{kind}_seconds"
         setattr(self, name, getattr(self, name) + seconds)
+
+    def as_computed(self) -> ForwardCounts:
+        """These counts with the positions and KV reads the engine computed, padding included
+        (what its forwards' time follows; counts logged before they were kept: as counted)."""
+        out = copy.copy(self)
+        for kind in KINDS:
+            for quantity in ("positions", "kv_reads"):
+                padded = getattr(self, f"{kind}_computed_{quantity}")
+                setattr(out, f"{kind}_{quantity}", padded or getattr(self, f"{kind}_{quantity}"))
+        return out
 
     @property
     def seconds(self) -> float:

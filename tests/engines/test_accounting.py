@@ -21,11 +21,14 @@ def test_decoding_counts_one_position_per_row_and_forward():
     # the contexts but their last token: 2 + 1 positions in one forward, causal pairs 3 + 1
     assert (c.prefill_forwards, c.prefill_rows, c.prefill_positions) == (1, 2, 3)
     assert (c.prefill_kv_reads, c.prefill_attended) == (3, 4)
+    # computed with padding: both heads padded to 2 columns
+    assert (c.prefill_computed_positions, c.prefill_computed_kv_reads) == (4, 4)
     # then row i is in n_i forwards, reading its context of L_i + j tokens at step j
     reads = sum(length + j for length, k in zip((3, 2), n, strict=True) for j in range(k))
     assert (c.decode_forwards, c.decode_rows, c.decode_positions) == (max(n), sum(n), sum(n))
     assert (c.decode_kv_reads, c.decode_attended, c.decode_draft_positions) == (reads, reads, 0)
     assert c.verify_forwards == 0
+    assert c.decode_computed_positions == sum(n) and c.decode_computed_kv_reads >= reads
     # each forward timed under its kind
     assert c.prefill_seconds > 0 and c.decode_seconds > 0 and c.verify_seconds == 0
     assert c.seconds == c.prefill_seconds + c.decode_seconds
@@ -65,6 +68,8 @@ def test_scoring_and_tries_count_every_position_they_compute():
     c = hf.counts  # identical requests computed once, sequences of similar lengths in one forward
     assert (c.verify_forwards, c.verify_rows, c.verify_positions) == (1, 2, 9)
     assert (c.verify_kv_reads, c.verify_attended) == (9, 15 + 10)
+    assert c.verify_computed_positions == c.verify_computed_kv_reads == 10  # 4 tokens padded to 5
+    assert c.as_computed().verify_positions == 10 and c.as_computed().decode_positions == 0
     hf.counts = ForwardCounts()
     hf.logprobs([LogprobRequest([3, 4], [5, 6, 7]), LogprobRequest([8], [9])])
     c = hf.counts  # 5 and 2 tokens: padded into one forward, 3 of its 10 positions would be padding

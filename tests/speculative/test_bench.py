@@ -106,19 +106,27 @@ def test_timings_of_a_disturbed_bench_are_flagged():
     from specrl.bench import timing_warnings
 
     quiet = {"start": [0.1, 0.5, 1.0], "vanilla seed 1": [2.0, 1.9, 1.5]}
-    arms = {"vanilla": {"rollout_speedup": 1.0, "limit_speedup": 1.0, "response_tokens": 1000},
-            "trie": {"rollout_speedup": 1.5, "limit_speedup": 1.6, "response_tokens": 1000},
+    arms = {"vanilla": {"rollout_speedup": 1.0, "limit_speedup": 1.0, "response_tokens": 1000,
+                        "epoch0_rollout_s": 100.0},
+            "trie": {"rollout_speedup": 1.5, "limit_speedup": 1.6, "response_tokens": 1000,
+                     "epoch0_rollout_s": 112.0},
             # above its limit only because its responses were shorter: per token within it
-            "spec": {"rollout_speedup": 0.8, "limit_speedup": 0.72, "response_tokens": 900}}  # fmt: skip
+            "spec": {"rollout_speedup": 0.8, "limit_speedup": 0.72, "response_tokens": 900,
+                     "epoch0_rollout_s": 95.0}}  # fmt: skip
     assert timing_warnings({"arms": arms}, quiet, 2) == []
     busy = {"start": [1.2, 0.5, 1.0], "trie seed 1": [3.5, 2.0, 1.5]}
     impossible = {
-        **arms, "trie": {"rollout_speedup": 2.03, "limit_speedup": 1.79, "response_tokens": 1000}
+        **arms, "trie": {"rollout_speedup": 2.03, "limit_speedup": 1.79, "response_tokens": 1000,
+                         "epoch0_rollout_s": 40.0}
     }  # fmt: skip
     warnings = timing_warnings({"arms": impossible}, busy, 2)
-    assert len(warnings) == 3
+    assert len(warnings) == 4
     assert "busy when the bench started (load average 1.20 on 2 cores)" in warnings[0]
     assert "after trie seed 1" in warnings[1]
     assert (
-        "trie arm's rollout speedup per response token 2.03 exceeds its limit 1.79" in warnings[2]
+        "trie arm's first epoch, the same work as vanilla's, took 40.0 s against 100.0 s"
+        in (warnings[2])
+    )
+    assert (
+        "trie arm's rollout speedup per response token 2.03 exceeds its limit 1.79" in warnings[3]
     )

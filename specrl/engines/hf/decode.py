@@ -155,6 +155,7 @@ class Decoder:
         context it attends to (`attention` [B, W], the fed columns last)."""
         fed = proposed + 1
         pairs = causal_attended(fed, attention.sum(1) - fed)
+        width = int(proposed.max()) + 1  # every row is fed as many columns as the widest
         self.counts.record(
             "decode",
             len(fed),
@@ -162,6 +163,7 @@ class Decoder:
             int(attention.sum()),
             int(pairs.sum()),
             draft_positions=int(proposed.sum()),
+            computed=(len(fed) * width, attention.numel()),
         )
 
     def _first_tokens(
@@ -278,7 +280,7 @@ class Decoder:
             cache = DynamicCache()
             positions = (attention.cumsum(-1) - 1).clamp(min=0)
             self.forward("prefill", ids, attention, positions, cache, keep=1)
-            self.counts.record("prefill", *prefill_counts(attention))
+            self.counts.record("prefill", *prefill_counts(attention), computed=padded(attention))
             parts.append((compute, layers_kv(cache), attention))
         if empty:  # single-token contexts: nothing to prefill
             parts.append(
@@ -343,6 +345,12 @@ def prefill_counts(attention: torch.Tensor) -> tuple[int, int, int, int]:
     with nothing cached (`attention` [B, T], 1 on real tokens), causal."""
     real = attention.sum(1)
     return len(real), int(real.sum()), int(real.sum()), int(causal_attended(real, 0).sum())
+
+
+def padded(attention: torch.Tensor) -> tuple[int, int]:
+    """(positions, KV reads) a forward over left-padded sequences with nothing cached
+    computes, padding included (`attention` [B, T])."""
+    return attention.numel(), attention.numel()
 
 
 def left_pad(
