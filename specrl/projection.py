@@ -4,8 +4,8 @@ projected to a named device and model shape (`specrl project`).
 The check: this machine's constants (overhead per forward, FLOP/s, bytes/s) are fitted to the
 timed forwards of engine calls at varied sizes (`calibrate`: none of them a bench step), then
 every arm's seconds in forwards are predicted from its own recorded forwards and compared with
-what the engine measured (`perf/<kind>/seconds`; where a run has none, vLLM's, its time in
-engine calls). The rest of a rollout stage is host work, inside the engine's calls (masks, KV
+what the engine measured (`timing_s/forward/<kind>`; where a run has none, vLLM's, its
+time in engine calls). The rest of a rollout stage is host work, inside the engine's calls (masks, KV
 gathered from a verification pass, first tokens, drafts) and outside them (walks, cuts,
 bookkeeping): measured, reported apart, and carried over as it is. The projection prices the
 same forwards for another model on another device, optionally with the responses stretched.

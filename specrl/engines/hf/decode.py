@@ -91,7 +91,7 @@ class Decoder:
             cols = torch.arange(width + 1, device=self.device)
             attention = torch.cat([attention, (cols[None] <= proposed[:, None]).long()], dim=1)
             logits = self.forward("decode", fed, attention, positions[:, None] + cols, cache)
-            self._count_decode(attention, proposed)
+            self._count_decode(attention, proposed, fed.shape[1])
             # columns past a row's own drafts are never emitted; clamped, they read any uniform
             at = (done[:, None] + cols).clamp(max=uniforms.shape[1] - 1)
             column_uniforms = uniforms.gather(1, at)  # [B, K+1]
@@ -150,12 +150,12 @@ class Decoder:
             if width and _sparse(attention):
                 attention = cache.compact(attention)
 
-    def _count_decode(self, attention: torch.Tensor, proposed: torch.Tensor) -> None:
+    def _count_decode(self, attention: torch.Tensor, proposed: torch.Tensor, width: int) -> None:
         """One decode forward: each row's fed token and its drafts (`proposed` [B]) after the
-        context it attends to (`attention` [B, W], the fed columns last)."""
+        context it attends to (`attention` [B, W], the fed columns last); every row is fed
+        `width` columns, as many as the widest."""
         fed = proposed + 1
         pairs = causal_attended(fed, attention.sum(1) - fed)
-        width = int(proposed.max()) + 1  # every row is fed as many columns as the widest
         self.counts.record(
             "decode",
             len(fed),
@@ -280,7 +280,9 @@ class Decoder:
             cache = DynamicCache()
             positions = (attention.cumsum(-1) - 1).clamp(min=0)
             self.forward("prefill", ids, attention, positions, cache, keep=1)
-            self.counts.record("prefill", *prefill_counts(attention), computed=padded(attention))
+            self.counts.record(
+                "prefill", *prefill_counts(attention), computed=padded_counts(attention)
+            )
             parts.append((compute, layers_kv(cache), attention))
         if empty:  # single-token contexts: nothing to prefill
             parts.append(
@@ -347,7 +349,7 @@ def prefill_counts(attention: torch.Tensor) -> tuple[int, int, int, int]:
     return len(real), int(real.sum()), int(real.sum()), int(causal_attended(real, 0).sum())
 
 
-def padded(attention: torch.Tensor) -> tuple[int, int]:
+def padded_counts(attention: torch.Tensor) -> tuple[int, int]:
     """(positions, KV reads) a forward over left-padded sequences with nothing cached
     computes, padding included (`attention` [B, T])."""
     return attention.numel(), attention.numel()

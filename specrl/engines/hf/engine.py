@@ -18,7 +18,7 @@ import torch
 from transformers import AutoModelForCausalLM, DynamicCache, PreTrainedModel
 
 from specrl.engines.accounting import ForwardCounts
-from specrl.engines.hf.decode import Decoder, left_pad, padded, prefill_counts
+from specrl.engines.hf.decode import Decoder, left_pad, padded_counts, prefill_counts
 from specrl.engines.hf.kv_cache import layers_kv
 from specrl.engines.hf.prefix_cache import PrefixCache
 from specrl.engines.protocol import (
@@ -135,7 +135,7 @@ class HFEngine:
         # last one predicts the token after the sequence.
         n = max(len(r.target_ids) for r in requests)
         logits = self.forward("verify", ids, attention, positions, cache, keep=n + 1)
-        self.counts.record("verify", *prefill_counts(attention), computed=padded(attention))
+        self.counts.record("verify", *prefill_counts(attention), computed=padded_counts(attention))
         sampling = RowSampling.of([r.sampling for r in requests], self.device).repeat(n + 1)
         distributions = sampling_logprobs(logits.reshape(-1, logits.shape[-1]), sampling)
         distributions = distributions.view(len(requests), n + 1, -1)  # [B, n + 1, V]
@@ -182,10 +182,10 @@ class HFEngine:
         logits = self.forward("verify", ids, bias, positions, cache, keep=most + 1)
         pairs = int((mask & attention.bool()[:, :, None].cpu()).sum())
         real = attention.sum(1)
-        computed = (ids.numel(), ids.numel())
         self.counts.record(
-            "verify", len(requests), int(real.sum()), int(real.sum()), pairs, computed=computed
-        )
+            "verify", len(requests), int(real.sum()), int(real.sum()), pairs,
+            computed=padded_counts(attention),
+        )  # fmt: skip
         out, kept = [], []
         for row, r in zip(logits, requests, strict=True):
             nodes = len(r.tokens)
