@@ -65,6 +65,8 @@ class DraftWidth:
         self._drafted = 0.0  # weighted count of forwards that verified drafts
         self._trials, self._accepted = 0.0, 0.0  # decayed evidence; α = (accepted+1)/(trials+2)
         self.choices: Counter[int] = Counter()  # K chosen per forward, since the last reset
+        self._fit: tuple[float, float, float | None] | None = None
+        self._stale = True  # _fit is not yet the fit of _sums
 
     @property
     def accept_rate(self) -> float:
@@ -72,7 +74,13 @@ class DraftWidth:
 
     def cost(self) -> tuple[float, float, float | None] | None:
         """(c0, cs, cd): cd is None until forwards with drafts measured it; None until the
-        forwards seen differ enough in batch size to separate c0 from cs."""
+        forwards seen differ enough in batch size to separate c0 from cs. Fitted once per
+        forward observed."""
+        if self._stale:
+            self._fit, self._stale = self._fitted(), False
+        return self._fit
+
+    def _fitted(self) -> tuple[float, float, float | None] | None:
         xx, xt = self._sums[:, :3], self._sums[:, 3]
         if xx[0, 0] < 4:
             return None
@@ -118,6 +126,7 @@ class DraftWidth:
         x = np.array([1.0, sequences, fed_tokens - sequences])
         self._sums = self.cost_decay * self._sums + np.outer(x, np.append(x, seconds))
         self._drafted = self.cost_decay * self._drafted + (fed_tokens > sequences)
+        self._stale = True
 
     def observe_drafts(self, proposed: Sequence[int], accepted: Sequence[int]) -> None:
         """Per sequence of one forward: draft tokens verified and how many of them were accepted.
@@ -145,6 +154,7 @@ class DraftWidth:
             self._drafted = float(state["drafted"])
         else:
             self._sums, self._drafted = np.zeros((3, 4)), 0.0
+        self._stale = True
         self._trials, self._accepted = float(state["trials"]), float(state["accepted"])
 
     def reset_choices(self) -> Counter[int]:

@@ -16,6 +16,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
 import torch
+from torch.nn.utils.rnn import pad_sequence
 from transformers import DynamicCache
 
 from specrl.engines.accounting import ForwardCounts, causal_attended
@@ -65,8 +66,6 @@ class Decoder:
         # KV of every context but its last token; that token is the first one fed below.
         cache, attention = self._prefill(contexts)  # attention [B, W]
         attention = drop_padding(cache, attention)
-        if _sparse(attention):  # contexts taken from tries: each attends to one path
-            attention = cache.compact(attention)
         tokens = torch.tensor([c[-1] for c in contexts], device=self.device)  # [B] fed next
         positions = torch.tensor([len(c) - 1 for c in contexts], device=self.device)  # theirs
         rows = torch.tensor(live, device=self.device)  # request index of each batch row
@@ -82,11 +81,14 @@ class Decoder:
             started = time.perf_counter()
             drafts = self._drafts(rows, results, indices, left, rejected)
             width = max(map(len, drafts))
-            fed = tokens.new_full((len(rows), width + 1), self.pad_token_id)  # [B, K+1]
-            fed[:, 0] = tokens
-            for b, draft in enumerate(drafts if width else ()):
-                if draft:
-                    fed[b, 1 : len(draft) + 1] = torch.tensor(draft)
+            if width:  # [B, K+1]
+                pad = [self.pad_token_id] * width
+                fed = torch.tensor(
+                    [[t, *d, *pad[len(d) :]] for t, d in zip(tokens.tolist(), drafts, strict=True)],
+                    device=self.device,
+                )
+            else:
+                fed = tokens[:, None]
             proposed = torch.tensor(list(map(len, drafts)), device=self.device)  # [B]
             cols = torch.arange(width + 1, device=self.device)
             attention = torch.cat([attention, (cols[None] <= proposed[:, None]).long()], dim=1)
@@ -265,8 +267,8 @@ class Decoder:
 
     def _prefill(self, contexts: list[list[int]]) -> tuple[DynamicCache, torch.Tensor]:
         """KV cache and attention mask [B, W] for each context minus its last token. Rows whose
-        tokens were scored into `prefixes` take their KV from there (the rejected draft tokens
-        after them stay in the cache, masked out); the rest are computed in one forward pass."""
+        tokens were scored into `prefixes` take the KV of those tokens from there (`_hit_kv`); the
+        rest are computed in one forward pass."""
         heads = [c[:-1] for c in contexts]
         prefixes = self.prefixes
         hits = {}
@@ -289,14 +291,8 @@ class Decoder:
                 (empty, [], torch.zeros(len(empty), 0, dtype=torch.long, device=self.device))
             )
         for batch, group in _group_by_batch(hits).items():
-            kv, valid = prefixes.batches[batch]
-            rows = torch.tensor([hits[i].row for i in group], device=self.device)
-            attention = torch.zeros(
-                len(group), valid.shape[1], dtype=torch.long, device=self.device
-            )
-            for j, i in enumerate(group):  # only the columns of each context's head
-                attention[j, hits[i].columns] = 1
-            parts.append((group, [t.index_select(0, rows) for t in kv], attention))
+            kv, _ = prefixes.batches[batch]
+            parts.append((group, *_hit_kv(kv, [hits[i] for i in group])))
         if not any(kv for _, kv, _ in parts):  # nothing cached, nothing to prefill
             width = torch.zeros(len(contexts), 0, dtype=torch.long, device=self.device)
             return DecodeCache(), width
@@ -367,6 +363,18 @@ def left_pad(
             ids[row, width - len(seq) :] = torch.tensor(seq)
             attention[row, width - len(seq) :] = 1
     return ids.to(device), attention.to(device)
+
+
+def _hit_kv(kv: list[torch.Tensor], hits: list[Hit]) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """The cached KV of each hit's columns and no other (a trie row holds every branch, a scored
+    sequence its draft past the head), left-padded to the longest: per layer [G, heads, L, dim],
+    and the mask [G, L]. Padding reads the row's first column, masked out."""
+    columns = [hit.columns for hit in hits]
+    index = pad_sequence(columns, batch_first=True, padding_side="left")  # [G, L]
+    lengths = torch.tensor([len(c) for c in columns], device=index.device)
+    mask = torch.arange(index.shape[1], device=index.device) >= index.shape[1] - lengths[:, None]
+    rows = torch.tensor([hit.row for hit in hits], device=index.device)[:, None]
+    return [t[rows, :, index].transpose(1, 2) for t in kv], mask.long()
 
 
 def _group_by_batch(hits: dict[int, Hit]) -> dict[int, list[int]]:

@@ -22,8 +22,9 @@ class DecodeCache(DynamicCache):
 
     def keep_rows(self, keep: torch.Tensor) -> None:
         """Keep batch rows `keep` [B'] (from `_staying`: row i, or a row past B' in its place)."""
+        moved = (keep != torch.arange(len(keep), device=keep.device)).nonzero().squeeze(1)
         for layer in self.layers:
-            layer.keep_rows(keep)
+            layer.keep_rows(keep, moved)
 
     def drop_front(self, columns: int) -> None:
         """Drop the first `columns` KV columns, which no row attends to."""
@@ -82,18 +83,18 @@ class _GrowingLayer(DynamicLayer):
         self._view(end)
         return self.keys, self.values
 
-    def keep_rows(self, keep: torch.Tensor) -> None:
-        """Keep batch rows `keep` [B'], where keep[i] is i or a row past B': those rows move into
-        the buffers' first B' rows, which then are the buffers."""
-        length = self.get_seq_length()
-        if not self._viewed(self.start + length):
+    def keep_rows(self, keep: torch.Tensor, moved: torch.Tensor) -> None:
+        """Keep batch rows `keep` [B'], where keep[i] is i or a row past B' (the rows `moved`):
+        those rows' KV moves into the buffers' first B' rows, which then are the buffers."""
+        end = self.start + self.get_seq_length()
+        if not self._viewed(end):
             self.keys, self.values = self.keys[keep], self.values[keep]
             return
-        moved = (keep != torch.arange(len(keep), device=keep.device)).nonzero().squeeze(1)
+        source = keep[moved]
         for buffer in self.buffers:
-            buffer[moved] = buffer[keep[moved]]
+            buffer[moved, :, self.start : end] = buffer[source, :, self.start : end]
         self.buffers = tuple(b[: len(keep)] for b in self.buffers)
-        self._view(self.start + length)
+        self._view(end)
 
     def drop_front(self, columns: int) -> None:
         """Drop the first `columns` KV columns (of every row)."""
@@ -159,15 +160,19 @@ def merge(
     batch = sum(len(rows) for rows, _, _ in parts)
     ref = next(kv for _, kv, _ in parts if kv)
     masks = ref[0].new_zeros(batch, width, dtype=torch.long)
-    buffers = [  # zeros: the padding columns are masked, but a masked NaN would still poison
-        t.new_zeros(batch, t.shape[1], width + _GrowingLayer.spare_columns, t.shape[3]) for t in ref
+    buffers = [
+        t.new_empty(batch, t.shape[1], width + _GrowingLayer.spare_columns, t.shape[3]) for t in ref
     ]
     for rows, kv, mask in parts:
         index = torch.tensor(rows, device=masks.device)
         start = width - mask.shape[1]
         masks[index, start:] = mask
-        for buffer, t in zip(buffers, kv, strict=False):  # no KV: rows with nothing to prefill
-            buffer[index, :, start:width] = t
+        for j, buffer in enumerate(buffers):
+            # padding is masked, but a masked NaN would still poison: zeros (the spare columns
+            # are written before they are read)
+            buffer[index, :, :start] = 0
+            if kv:  # none: rows with nothing to prefill
+                buffer[index, :, start:width] = kv[j]
     cache = DecodeCache()
     for layer in range(len(buffers) // 2):
         cache.layers.append(_GrowingLayer.of(buffers[2 * layer], buffers[2 * layer + 1], width))
