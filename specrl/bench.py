@@ -103,7 +103,10 @@ def run_bench(
     log=print,
 ) -> dict[str, Any]:
     """Every arm once per seed (default: the config's `trainer.seed`); with several seeds each
-    seed's runs go to DIR/seed<N>/<arm> and bench.json pools them (see `summarize`)."""
+    seed's runs go to DIR/seed<N>/<arm> and bench.json pools them (see `summarize`). The arms
+    take turns going first: seed k runs them rotated by k (`arm_order`), so with as many seeds
+    as arms each arm runs once in every place, and a machine that slows down (or speeds up)
+    over a long bench favours none of them."""
     seeds = list(seeds or [cfg.trainer.seed])
     arms = arms or DEFAULT_ARMS
     if cfg.trainer.num_threads == "auto":  # decided once: every arm computes with the same
@@ -116,9 +119,10 @@ def run_bench(
     plotted: dict[str, list[dict[str, float]]] = {}
     load = {"start": _load_average()}  # the machine's load before and after each run
     shape = None
+    order = {seed: [*arms[k % len(arms) :], *arms[: k % len(arms)]] for k, seed in enumerate(seeds)}
     for seed in seeds:
         seed_dir = out_dir if len(seeds) == 1 else out_dir / f"seed{seed}"
-        for arm in arms:
+        for arm in order[seed]:
             log(f"bench: training the {arm} arm (seed {seed}) into {seed_dir / arm}")
             trainer = Trainer(arm_config(cfg, arm, seed, seed_dir))
             model_dir = Path(trainer.model_dir)
@@ -128,6 +132,7 @@ def run_bench(
             plotted[arm if len(seeds) == 1 else f"{arm} seed {seed}"] = trainer.tracker.history
             load[f"{arm} seed {seed}"] = _load_average()
     result = summarize(runs, cfg, seeds)
+    result["arm_order"] = {str(seed): arms_run for seed, arms_run in order.items()}
     result["load_average"] = load
     result["warnings"] = timing_warnings(result, load, os.cpu_count() or 1)
     for warning in result["warnings"]:

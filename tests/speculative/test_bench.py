@@ -87,6 +87,7 @@ def test_bench_pools_seeds(tiny_policy_dir, tmp_path):
     )  # fmt: skip
     result = run_bench(cfg, tmp_path / "bench", ("vanilla", "spec"), [3, 4], log=lambda _: None)
     assert result["seeds"] == [3, 4] and result["steps"] == 3
+    assert result["arm_order"] == {"3": ["vanilla", "spec"], "4": ["spec", "vanilla"]}
     for arm in ("vanilla", "spec"):
         runs = [tmp_path / "bench" / f"seed{seed}" / arm / "metrics.jsonl" for seed in (3, 4)]
         histories = [[json.loads(x) for x in run.read_text().splitlines()] for run in runs]
