@@ -47,30 +47,39 @@ def walk_trie(
     tree: PromptTree,
     scores: TrieScores,
     uniforms: np.ndarray,
-    budget: int,
+    budgets: Sequence[int],
     eos_token_ids: frozenset[int],
-) -> Walked:
-    """One slot's walk: at response position t it takes the child of its node whose interval
-    holds the slot's uniform for t (`uniforms` [budget]), scaled by the node's total, and moves
-    down; where no child's does it leaves the trie. With coupled scores that is the token
-    vanilla decoding would draw there, and decoding draws that same token next; otherwise the
-    next token is drawn from the residual without the node's children."""
-    node, tokens, logprobs = ROOT, [], []
-    while len(tokens) < budget:
-        target = uniforms[len(tokens)] * scores.total[node]
-        children = tree.children[node]
-        child = next(
-            (c for c in children.values() if scores.low[c] < target <= scores.high[c]), None
-        )
-        if child is None:
-            excluded = () if scores.coupled else tuple(children)
-            return Walked(tokens, logprobs, None, excluded)
-        node = child
-        tokens.append(tree.token[node])
-        logprobs.append(float(scores.logprobs[node]))
-        if tree.token[node] in eos_token_ids:
-            return Walked(tokens, logprobs, "stop")
-    return Walked(tokens, logprobs, "length")
+) -> list[Walked]:
+    """The walks of a prompt's slots down its scored trie, one per row of `uniforms`
+    [S, most budget] (a slot's uniforms at its response positions; `budgets`: its most tokens).
+    At response position t a slot takes the child of its node whose interval holds its uniform
+    for t, scaled by the node's total, and moves down; where no child's does it leaves the trie.
+    With coupled scores that is the token vanilla decoding would draw there, and decoding draws
+    that same token next; otherwise the next token is drawn from the residual without the
+    node's children."""
+    # Python floats: a walk indexes them token by token (the same float64 arithmetic)
+    low, high, total = scores.low.tolist(), scores.high.tolist(), scores.total.tolist()
+    current = scores.logprobs.tolist()
+    walks = []
+    for slot_uniforms, budget in zip(uniforms.tolist(), budgets, strict=True):
+        node, tokens, logprobs = ROOT, [], []
+        finish: FinishReason | None = "length"
+        excluded: tuple[int, ...] = ()
+        while len(tokens) < budget:
+            target = slot_uniforms[len(tokens)] * total[node]
+            children = tree.children[node]
+            child = next((c for c in children.values() if low[c] < target <= high[c]), None)
+            if child is None:
+                finish, excluded = None, () if scores.coupled else tuple(children)
+                break
+            node = child
+            tokens.append(tree.token[node])
+            logprobs.append(current[node])
+            if tree.token[node] in eos_token_ids:
+                finish = "stop"
+                break
+        walks.append(Walked(tokens, logprobs, finish, excluded))
+    return walks
 
 
 @dataclass

@@ -270,22 +270,21 @@ class SpeculativeStage:
         pass, and walk each such slot down it (`walk_trie`), with the uniforms of its seed
         at its response positions: what vanilla decoding would draw there."""
         started = time.perf_counter()
-        walkers = {  # slot → its prompt's trie
-            i: tree
+        walkers = [
+            i
             for i, s in enumerate(slots)
             if s.reuse and (tree := self.tree.get(s.prompt.prompt_id)) is not None and tree.nodes
-        }
+        ]
         if not walkers:
             return
-        tries: dict[tuple, int] = {}  # (prompt id, context) → its request
-        requests = []
-        for i, tree in walkers.items():
-            prompt = slots[i].prompt
-            if (prompt.prompt_id, prompt.ids) not in tries:
-                tries[prompt.prompt_id, prompt.ids] = len(requests)
-                requests.append(
-                    TrieRequest(prompt.ids, tree.parent[1:], tree.token[1:], self.sampling)
-                )
+        groups: dict[tuple, list[int]] = {}  # (prompt id, context) → its walkers (rows below)
+        for row, i in enumerate(walkers):
+            groups.setdefault((slots[i].prompt.prompt_id, slots[i].prompt.ids), []).append(row)
+        trees = [self.tree.get(prompt_id) for prompt_id, _ in groups]
+        requests = [
+            TrieRequest(ids, tree.parent[1:], tree.token[1:], self.sampling)
+            for (_, ids), tree in zip(groups, trees, strict=True)
+        ]
         scores = self._timed(stats, self.engine.score_tries, requests, prefixes)
         stats.trie_prompts += len(requests)
         stats.trie_nodes += sum(len(r.tokens) for r in requests)
@@ -294,10 +293,12 @@ class SpeculativeStage:
         first = torch.tensor([len(slots[i].prompt.ids) for i in walkers])[:, None]
         positions = first + torch.arange(max(slots[i].budget for i in walkers))[None, :]
         uniforms = seeded_uniform(seeds.expand_as(positions), positions).numpy()  # [S, R]
-        for row, (i, tree) in enumerate(walkers.items()):
-            s = slots[i]
-            trie = scores[tries[s.prompt.prompt_id, s.prompt.ids]]
-            s.walked = walk_trie(tree, trie, uniforms[row], s.budget, self.engine.eos_token_ids)
+        eos = self.engine.eos_token_ids
+        for rows, tree, trie in zip(groups.values(), trees, scores, strict=True):
+            walking = [slots[walkers[row]] for row in rows]
+            walks = walk_trie(tree, trie, uniforms[rows], [s.budget for s in walking], eos)
+            for s, walked in zip(walking, walks, strict=True):
+                s.walked = walked
         stats.verify_s += time.perf_counter() - started
 
     # ---------------------------------------------------------------- decoding

@@ -49,6 +49,9 @@ class PrefixCache:
         self.distributions: list[tuple[torch.Tensor, Sequence[SamplingParams]] | None] = []
         self._rows: dict[int, list[tuple[int, int, tuple[int, ...]]]] = {}  # by first token
         self._tries: dict[int, list[_Trie]] = {}  # by the first token of the prompt
+        # what `find` answered since the last batch came in: decoding asks twice per context,
+        # for its first token's distribution, then for its KV
+        self._found: dict[tuple[int, ...], Hit | None] = {}
 
     def add(
         self,
@@ -97,6 +100,7 @@ class PrefixCache:
         sampling: Sequence[SamplingParams],
     ) -> int:
         self.batches.append((kv, attention))
+        self._found.clear()
         self.distributions.append(None if distributions is None else (distributions, sampling))
         return len(self.batches) - 1
 
@@ -116,6 +120,12 @@ class PrefixCache:
         of a scored trie."""
         if not head:
             return None
+        key = tuple(head)
+        if key not in self._found:
+            self._found[key] = self._find(head)
+        return self._found[key]
+
+    def _find(self, head: list[int]) -> Hit | None:
         for trie in self._tries.get(head[0], ()):
             hit = self._trie_hit(trie, head)
             if hit is not None:
