@@ -373,8 +373,20 @@ def _hit_kv(kv: list[torch.Tensor], hits: list[Hit]) -> tuple[list[torch.Tensor]
     index = pad_sequence(columns, batch_first=True, padding_side="left")  # [G, L]
     lengths = torch.tensor([len(c) for c in columns], device=index.device)
     mask = torch.arange(index.shape[1], device=index.device) >= index.shape[1] - lengths[:, None]
-    rows = torch.tensor([hit.row for hit in hits], device=index.device)[:, None]
-    return [t[rows, :, index].transpose(1, 2) for t in kv], mask.long()
+    rows = torch.tensor([hit.row for hit in hits], device=index.device)[:, None, None]
+    # A layer's KV [B, heads, W, dim] as rows of `dim`: the rows of (hit, head, column) in one
+    # index_select come out as the decode cache lays them out (an indexed gather over rows and
+    # columns would put the heads last and need a transposing copy).
+    flat: dict[tuple[int, int], torch.Tensor] = {}  # (heads, W) → the rows to select
+    gathered = []
+    for t in kv:
+        _, heads, width, dim = t.shape
+        if (heads, width) not in flat:
+            head = torch.arange(heads, device=index.device)[None, :, None]
+            flat[heads, width] = ((rows * heads + head) * width + index[:, None, :]).reshape(-1)
+        selected = t.reshape(-1, dim).index_select(0, flat[heads, width])
+        gathered.append(selected.view(len(hits), heads, -1, dim))
+    return gathered, mask.long()
 
 
 def _group_by_batch(hits: dict[int, Hit]) -> dict[int, list[int]]:

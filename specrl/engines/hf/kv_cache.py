@@ -92,7 +92,8 @@ class _GrowingLayer(DynamicLayer):
             return
         source = keep[moved]
         for buffer in self.buffers:
-            buffer[moved, :, self.start : end] = buffer[source, :, self.start : end]
+            used = buffer[:, :, self.start : end]
+            used.index_copy_(0, moved, used.index_select(0, source))
         self.buffers = tuple(b[: len(keep)] for b in self.buffers)
         self._view(end)
 
