@@ -31,7 +31,7 @@ from specrl.checkpoint import (
     save_checkpoint,
 )
 from specrl.config import Config
-from specrl.data import PromptLoader, read_splits, tokenize_splits
+from specrl.data import PromptLoader, format_prompts, read_splits, tokenize_splits
 from specrl.distributed.learner import LearnerGroup
 from specrl.distributed.rollout import RolloutWorkers
 from specrl.engines import SamplingParams
@@ -41,7 +41,7 @@ from specrl.episodes.runner import EpisodeLoop, EpisodeStage
 from specrl.errors import UserError
 from specrl.evaluation import evaluate
 from specrl.lora import base_identity, check_base, rollout_weights, state_bytes
-from specrl.models import eos_token_ids, resolve_model_path
+from specrl.models import eos_token_ids, load_tokenizer, resolve_model_path
 from specrl.rewards import RewardFunctions, load_reward_functions
 from specrl.run_dir import RunLock, open_run_dir
 from specrl.speculative.stage import SpeculativeStage
@@ -84,6 +84,8 @@ class Run:
     total_steps: int
     global_step: int = 0
     bad_steps: int = 0  # consecutive steps with skipped (non-finite) updates
+    flat_steps: int = 0  # consecutive steps in which every group's scores were equal
+    flat_warned: bool = False  # the warning about them is given once per run
 
     def checkpointed(self) -> dict[str, Any]:
         """The parts whose state a checkpoint holds, by name."""
@@ -104,8 +106,9 @@ class Run:
         return str(path)
 
     def validate(self) -> dict[str, float]:
-        """Held-out metrics of the current policy (`val/*`)."""
-        return evaluate(
+        """Held-out metrics of the current policy (`val/*`); the first held-out prompts with
+        what the policy wrote go to the console and val_generations.jsonl."""
+        evaluation = evaluate(
             self.rollouts,
             self.val_prompts,
             self.reward_fn,
@@ -114,7 +117,10 @@ class Run:
             self.cfg.data.max_response_length,
             self.global_step,
             self.episodes,
+            self.cfg.trainer.log_val_generations,
         )
+        self.tracker.log_generations(self.global_step, evaluation.generations)
+        return evaluation.metrics
 
     def sync_weights(self) -> int:
         """The policy's weights to the engine, for the rollouts of the next step: → the bytes
@@ -174,6 +180,11 @@ def build_run(cfg: Config, tracker: Tracker | None = None) -> Run:
         if cfg.model.path
         else ensure_toy_policy(ToyPolicySpec(task=cfg.data.task), log=log)
     )
+    # the prompts as the model will see them, against its tokenizer alone: still no model loaded
+    template = load_tokenizer(initial).chat_template
+    splits, format_note = format_prompts(splits, template, cfg.data.apply_chat_template)
+    if format_note:
+        log(format_note)
     lora = cfg.actor.lora.rank > 0
     base_model = base_identity(initial) if lora else None
     if lora and resume_from:  # the adapters fit only the base they were trained on

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 
 import numpy as np
 from transformers import PreTrainedTokenizerBase
@@ -17,6 +18,15 @@ from specrl.rollouts import sample_rollouts
 from specrl.types import Prompt, Rollout
 
 
+@dataclass
+class Evaluation:
+    """An evaluation's `val/*` metrics and its first held-out prompts with what the policy wrote
+    (`trainer.log_val_generations` of them: prompt, response, ground truth, score)."""
+
+    metrics: dict[str, float]
+    generations: list[dict[str, str | float]] = field(default_factory=list)
+
+
 def evaluate(
     engine: RolloutEngine,
     prompts: Sequence[Prompt],
@@ -26,9 +36,10 @@ def evaluate(
     max_response_length: int,
     policy_version: int,
     episodes: EpisodeLoop | None = None,
-) -> dict[str, float]:
+    generations: int = 0,
+) -> Evaluation:
     """One greedy response (or episode, with `episodes`) per held-out prompt, scored by the
-    reward function (by the environment)."""
+    reward function (by the environment); the first `generations` of them kept as text."""
     start = time.perf_counter()
     rollouts: list[Rollout] = []
     turns = 0
@@ -54,4 +65,13 @@ def evaluate(
         metrics["val/acc/mean@1"] = float(np.mean(acc))
     if episodes is not None:
         metrics["val/num_turns/mean"] = turns / len(rollouts)
-    return metrics
+    samples = [
+        {
+            "prompt": tokenizer.decode(r.prompt.ids, skip_special_tokens=False),
+            "response": text,
+            "ground_truth": r.prompt.example.ground_truth,
+            "score": score,
+        }
+        for r, text, score in zip(rollouts, scores.texts, scores.reward, strict=True)
+    ]
+    return Evaluation(metrics, samples[:generations])

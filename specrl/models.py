@@ -38,10 +38,9 @@ class ModelLoadError(UserError):
     """The configured model directory is missing or unusable."""
 
 
-def load_policy(
-    path: str | Path, dtype: str, log=print
-) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
-    """A local Hugging Face causal LM and its tokenizer."""
+def load_tokenizer(path: str | Path) -> PreTrainedTokenizerBase:
+    """The tokenizer of a local Hugging Face model directory, read before its weights (a run
+    checks its prompts' format against it before any model loads)."""
     directory = Path(path)
     if not (directory / "config.json").is_file():
         what = "does not exist" if not directory.exists() else "has no config.json"
@@ -50,13 +49,28 @@ def load_policy(
             "(config.json, weights, tokenizer files) or leave it unset for the built-in tiny policy"
         )
     try:
-        tokenizer = AutoTokenizer.from_pretrained(directory)
+        return AutoTokenizer.from_pretrained(directory)
+    except Exception as err:  # tokenizers and transformers each raise their own
+        raise _unloadable(directory, err) from None
+
+
+def _unloadable(directory: Path, err: Exception) -> ModelLoadError:
+    return ModelLoadError(
+        f"model.path {str(directory)!r} could not be loaded ({type(err).__name__}: {first_line(err)}); "
+        "check that its weights and tokenizer files are complete"
+    )
+
+
+def load_policy(
+    path: str | Path, dtype: str, log=print
+) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """A local Hugging Face causal LM and its tokenizer."""
+    directory = Path(path)
+    tokenizer = load_tokenizer(directory)
+    try:
         model = AutoModelForCausalLM.from_pretrained(directory, dtype=DTYPES[dtype])
-    except Exception as err:  # transformers, safetensors and tokenizers each raise their own
-        raise ModelLoadError(
-            f"model.path {str(directory)!r} could not be loaded ({type(err).__name__}: {first_line(err)}); "
-            "check that its weights and tokenizer files are complete"
-        ) from None
+    except Exception as err:  # transformers and safetensors each raise their own
+        raise _unloadable(directory, err) from None
     _check_vocabulary(directory, model, tokenizer)
     if tokenizer.pad_token_id is None:
         if tokenizer.eos_token is None:

@@ -12,7 +12,7 @@ from specrl.errors import UserError
 from specrl.plots import plot_metrics
 from specrl.run_dir import heldout_metric, read_metrics_jsonl
 from specrl.speculative.stats import RolloutStats
-from specrl.tracking import make_console
+from specrl.tracking import GENERATIONS, generations_table, make_console, read_generations
 
 REPORT_PANELS = [
     ("critic/score/mean", "reward (critic/score/mean)"),
@@ -20,6 +20,7 @@ REPORT_PANELS = [
     ("spec/reused_token_ratio", "reused token ratio"),
     ("timing_s/rollout", "rollout time per step (s)"),
 ]
+REPORT_GENERATIONS = 3  # of the last evaluation's, from val_generations.jsonl
 
 
 def read_history(run_dir: Path) -> list[dict[str, float]]:
@@ -60,7 +61,12 @@ def report(run_dir: Path, console: Console | None = None) -> Path:
     table.add_column("value", justify="right")
     for name, value in rows.items():
         table.add_row(name, str(value))
-    (console or make_console()).print(table)
+    console = console or make_console()
+    console.print(table)
+    if (run_dir / GENERATIONS).is_file() and (rows := read_generations(run_dir / GENERATIONS)):
+        last = rows[-1]["step"]
+        shown = [r for r in rows if r["step"] == last][:REPORT_GENERATIONS]
+        console.print(generations_table(f"held-out generations at step {last}", shown))
     return out
 
 

@@ -28,6 +28,7 @@ from specrl.errors import UserError
 from specrl.run_dir import heldout_metric, read_metrics_jsonl
 from specrl.speculative.stats import RolloutStats
 
+GENERATIONS = "val_generations.jsonl"  # in the run directory: what the policy wrote at evaluations
 LIVE_METRICS = {  # val_reward only where the reward states no accuracy
     "critic/score/mean": "score",
     "val/acc/mean@1": "val_acc",
@@ -73,6 +74,7 @@ class Tracker:
         self.use_console = "console" in loggers
         self.run_dir = run_dir
         self.jsonl = run_dir / "metrics.jsonl" if "jsonl" in loggers else None
+        self.generations = run_dir / GENERATIONS
         self.project, self.experiment = project, experiment
         self.history: list[dict[str, float]] = []
         self._tensorboard = None
@@ -91,6 +93,11 @@ class Tracker:
                     m for m in records if m["training/global_step"] <= keep_through_step
                 ]
             self.jsonl.write_text("".join(json.dumps(m) + "\n" for m in self.history))
+        kept = []
+        if keep_through_step is not None and self.generations.is_file():
+            kept = [g for g in read_generations(self.generations) if g["step"] <= keep_through_step]
+        self.generations.parent.mkdir(parents=True, exist_ok=True)
+        self.generations.write_text("".join(json.dumps(g) + "\n" for g in kept))
         if "tensorboard" in self.loggers:
             self._tensorboard = _optional("torch.utils.tensorboard", "tensorboard").SummaryWriter(
                 log_dir=str(self.run_dir / "tensorboard")
@@ -133,6 +140,21 @@ class Tracker:
         if "val/reward/mean@1" in metrics:
             key, _ = heldout_metric([metrics])
             self.print(f"step {int(metrics['training/global_step'])}: {key} = {metrics[key]:.3f}")
+
+    def log_generations(self, step: int, rows: Sequence[dict[str, str | float]]) -> None:
+        """What the policy wrote for the first held-out prompts at the evaluation of `step`:
+        appended to val_generations.jsonl, a table on the console, a wandb table."""
+        if not rows:
+            return
+        with self.generations.open("a") as handle:
+            handle.writelines(json.dumps({"step": step, **row}) + "\n" for row in rows)
+        if self._wandb is not None:
+            columns = ["step", *rows[0]]
+            data = [[step, *row.values()] for row in rows]
+            table = _optional("wandb", "wandb").Table(columns=columns, data=data)
+            self._wandb.log({"val/generations": table}, step=step)
+        if self.use_console:
+            self.console.print(generations_table(f"held-out generations at step {step}", rows))
 
     def _check_contention(self) -> None:
         """Once per run, a hint when the machine is busier than this process can make it: torch's
@@ -221,6 +243,34 @@ class Tracker:
             self.console.print(table)
             self.print(f"run directory: {run_dir} (curves and a summary: specrl report {run_dir})")
         return summary
+
+
+def read_generations(path: Path) -> list[dict[str, str | float]]:
+    """val_generations.jsonl's rows (a line cut short by a crash is skipped)."""
+    rows = []
+    for line in path.read_text().splitlines():
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return rows
+
+
+def generations_table(title: str, rows: Sequence[dict[str, str | float]]) -> Table:
+    """Prompts (their last 160 characters), responses (their first 240), ground truths and
+    scores as a table."""
+    table = Table(title=title, show_lines=True)
+    for column in ("prompt", "response", "ground truth", "score"):
+        table.add_column(column, justify="right" if column == "score" else "left")
+    for row in rows:
+        prompt, response = str(row["prompt"]), str(row["response"])
+        table.add_row(
+            ("..." if len(prompt) > 160 else "") + prompt[-160:],
+            response[:240] + ("..." if len(response) > 240 else ""),
+            str(row["ground_truth"]),
+            f"{row['score']:.3g}",
+        )
+    return table
 
 
 def _optional(module: str, extra: str):

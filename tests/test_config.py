@@ -337,3 +337,19 @@ def test_bad_toy_policy_flags_are_one_line_before_any_build(capsys, monkeypatch,
     monkeypatch.setattr("specrl.toy_policy.ensure_toy_policy", pytest.fail)
     assert main(["toy-policy", *flags]) == 2
     assert capsys.readouterr().err.strip() == f"specrl: error: {said}"
+
+
+def test_the_critic_batches_follow_the_actor_unless_set():
+    """As verl: critic.ppo_mini_batch_size is the actor's unless given (a smaller actor
+    mini-batch used to leave the critic's default of 16 above data.train_batch_size=8)."""
+    common = ["algorithm.adv_estimator=gae", "data.train_batch_size=8"]
+    cfg = load_config(
+        None, [*common, "actor.ppo_mini_batch_size=4", "actor.ppo_micro_batch_size=8"]
+    )
+    assert (cfg.critic.ppo_mini_batch_size, cfg.critic.ppo_micro_batch_size) == (4, 8)
+    cfg = load_config(
+        None, [*common, "actor.ppo_mini_batch_size=4", "critic.ppo_mini_batch_size=2"]
+    )
+    assert (cfg.critic.ppo_mini_batch_size, cfg.critic.ppo_micro_batch_size) == (2, 64)
+    with pytest.raises(ConfigError, match=r"critic.ppo_mini_batch_size \(16\) must not exceed"):
+        load_config(None, [*common, "actor.ppo_mini_batch_size=4", "critic.ppo_mini_batch_size=16"])

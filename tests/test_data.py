@@ -5,7 +5,14 @@ import pyarrow.parquet as pq
 import pytest
 
 from specrl.config import DataConfig
-from specrl.data import DataError, PromptLoader, _tokenize, encode_prompt, load_prompts
+from specrl.data import (
+    DataError,
+    PromptLoader,
+    _tokenize,
+    encode_prompt,
+    format_prompts,
+    load_prompts,
+)
 from specrl.data.files import read_examples
 from specrl.toy_policy import build_tokenizer
 from specrl.types import Example, Prompt
@@ -60,6 +67,42 @@ def test_chat_template_is_applied_when_the_tokenizer_has_one():
     said = []  # message lists are not hashable: the split's checks must not need them to be
     prompts = _tokenize([example, example], tokenizer, DataConfig(), "train", said.append)
     assert [p.ids for p in prompts] == [tuple(tokenizer.encode("12+30=#"))] * 2 and not said
+
+
+TEMPLATE = "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}"
+TEXT = Example(prompt="12+30=", ground_truth="42", data_source="x")
+CHAT = Example(prompt=[{"role": "user", "content": "1+1="}, {"role": "user", "content": "2+2="}], ground_truth="2", data_source="x")  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("template", "mode", "prompts", "said"),
+    [
+        # verl's convention: an instruct model sees its chat format, plain text wrapped as a message
+        (TEMPLATE, "auto", ([{"role": "user", "content": "12+30="}], CHAT.prompt), "1 train and 0 val plain-text prompts are rendered through the model's chat template"),
+        (TEMPLATE, True, ([{"role": "user", "content": "12+30="}], CHAT.prompt), "data.apply_chat_template=false feeds them as they are"),
+        # TRL's plain-text convention: as is, and said, since a chat model may not answer it
+        (TEMPLATE, False, ("12+30=", "1+1=\n2+2="), "1 train and 0 val plain-text prompts are fed as they are"),
+        (None, "auto", ("12+30=", CHAT.prompt), "no chat template: 0 train and 1 val chat prompts are fed as their contents"),
+        (None, False, ("12+30=", "1+1=\n2+2="), "0 train and 1 val chat prompts are fed as their contents joined"),
+    ],
+)  # fmt: skip
+def test_the_prompt_format_follows_data_apply_chat_template_and_is_said(
+    template, mode, prompts, said
+):
+    (train, val), note = format_prompts(([TEXT], [CHAT]), template, mode)
+    assert (train[0].prompt, val[0].prompt) == prompts
+    assert train[0].ground_truth == "42" and said in note and "\n" not in note
+
+
+def test_nothing_is_said_when_prompts_already_fit_the_model():
+    assert format_prompts(([CHAT], [CHAT]), TEMPLATE, "auto")[1] is None
+    assert format_prompts(([TEXT], [TEXT]), None, "auto")[1] is None
+    assert format_prompts(([TEXT], [TEXT]), None, False)[1] is None
+
+
+def test_a_chat_template_asked_of_a_model_without_one_is_one_line():
+    with pytest.raises(DataError, match="has no chat template; set "):
+        format_prompts(([TEXT], [TEXT]), None, True)
 
 
 @pytest.mark.parametrize(

@@ -22,6 +22,12 @@ def test_report_plots_and_summarises_a_run(tiny_policy_dir, tmp_path, capsys):
     out = capsys.readouterr().out
     assert png_panels(tmp_path / "report.png") == 3  # five panels, two per row
     assert "val/acc/mean@1 first → last" in out and "spec/reused_token_ratio, whole run" in out
+    # what the policy wrote: the first 3 held-out prompts at each of the 4 evaluations (steps
+    # 0-3), the last evaluation's in the report
+    rows = [json.loads(line) for line in (tmp_path / "val_generations.jsonl").open()]
+    assert [r["step"] for r in rows] == [0, 0, 0, 1, 1, 1, 2, 2, 2, 3, 3, 3]
+    assert set(rows[0]) == {"step", "prompt", "response", "ground_truth", "score"}
+    assert "held-out generations at step 3" in out and rows[-1]["ground_truth"] in out
 
 
 def test_a_run_written_under_old_metric_names_reads_as_a_new_one(tiny_policy_dir, tmp_path, capsys):

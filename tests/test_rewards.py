@@ -189,6 +189,6 @@ def test_accuracy_is_what_a_reward_states_never_a_weighted_score(tmp_path):
     engine = HFEngine(make_tiny_model(vocab_size=len(tokenizer)), [tokenizer.eos_token_id], 0)
     for functions, keys in [(both, {"val/acc/mean@1", "val/reward/mean@1"}),
                             (alone, {"val/reward/mean@1"})]:  # fmt: skip
-        metrics = evaluate(engine, [prompt] * 2, functions, tokenizer, 2, 4, 0)
+        metrics = evaluate(engine, [prompt] * 2, functions, tokenizer, 2, 4, 0).metrics
         assert {k for k in metrics if k.startswith(("val/acc", "val/reward/"))} == keys
         assert metrics["val/reward/mean@1"] <= 0.1 and metrics.get("val/acc/mean@1", 0) >= 0

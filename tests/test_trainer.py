@@ -204,3 +204,42 @@ def test_data_reward_and_environment_are_checked_before_any_model_loads(tmp_path
         assert main(["train", *base, *overrides]) == 2
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and named in err[0] and "/nonexistent/model" not in err[0], err
+
+
+def test_plain_text_for_a_chat_model_and_a_run_without_signal_are_said(tiny_policy_dir, tmp_path):
+    """A new user's own data on a chat model: plain-text prompts are rendered through the chat
+    template, with a note at load; a reward that never differs within a group (here always 0)
+    gets one warning naming the likely causes, not one per step."""
+    import io
+    import shutil
+
+    from rich.console import Console
+    from transformers import AutoTokenizer
+
+    from specrl.tracking import Tracker
+
+    chat = tmp_path / "chat-policy"
+    shutil.copytree(tiny_policy_dir, chat)
+    tokenizer = AutoTokenizer.from_pretrained(chat)
+    tokenizer.chat_template = "{% for m in messages %}##{{ m['content'] }}{% endfor %};"
+    tokenizer.save_pretrained(chat)
+    data = tmp_path / "problems.jsonl"
+    data.write_text("".join(f'{{"prompt": "{a}+{b}=", "answer": "{a + b}"}}\n' for a in range(4) for b in range(2)))  # fmt: skip
+    reward = tmp_path / "reward.py"
+    reward.write_text("def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n    return 0.0\n")  # fmt: skip
+    cfg = small_config(
+        chat, tmp_path / "run", f"data.train_files={data}", f"data.val_files={data}",
+        "data.answer_key=answer", f"custom_reward_function.path={reward}", "trainer.test_freq=0",
+        "trainer.total_training_steps=4", "trainer.logger=[console,jsonl]", "trainer.val_before_train=false",
+    )  # fmt: skip
+    out = io.StringIO()
+    trainer = Trainer(cfg, Tracker(cfg.trainer.logger, cfg.trainer.run_dir, Console(file=out, width=400)))  # fmt: skip
+    assert (
+        "8 train and 8 val plain-text prompts are rendered through the model's chat template"
+        in out.getvalue()
+    )
+    assert trainer.loader.prompts[0].ids[:2] == tuple(tokenizer.encode("##", add_special_tokens=False))  # fmt: skip
+    trainer.fit()
+    said = out.getvalue()
+    assert said.count("every advantage is 0") == 1 and "steps 1-3: every group's scores were equal (scores 0.0)" in said  # fmt: skip
+    assert "data.apply_chat_template" in said and "data.answer_key" in said

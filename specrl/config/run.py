@@ -31,6 +31,14 @@ class DataConfig(Section):
         "reward_model.ground_truth",
         description="dotted column path of the ground truth; plain jsonl may use 'answer'",
     )
+    apply_chat_template: Literal["auto", True, False] = Field(
+        "auto",
+        description="render prompts with the tokenizer's chat template: auto (as verl) templates "
+        "chat messages and, when the model has a template, wraps plain-text prompts as one user "
+        "message; true does the same and stops when the model has no template; false feeds "
+        "plain text as is and joins messages' contents by newlines (TRL's plain-text format). "
+        "Either way the run says at load what it does with plain text",
+    )
     train_size: int = Field(1024, ge=1, description="built-in task: number of training problems")
     val_size: int = Field(
         1000,
@@ -83,6 +91,13 @@ class TrainerConfig(Section):
         16, ge=0, description="evaluate every this many steps and at the end; 0 never (as verl)"
     )
     val_before_train: bool = Field(True, description="evaluate before the first step")
+    log_val_generations: int = Field(
+        3,
+        ge=0,
+        description="at every evaluation, the first this many held-out prompts with the "
+        "policy's response, ground truth and score: a table on the console, every one in the "
+        "run directory's val_generations.jsonl (and a wandb table); 0: none (verl's default)",
+    )
     save_freq: int = Field(
         16,
         ge=0,

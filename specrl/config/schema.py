@@ -88,6 +88,17 @@ class Config(Section):
         return self
 
     @model_validator(mode="after")
+    def _critic_batches_follow_the_actor(self) -> Config:
+        """The critic's mini- and micro-batches are the actor's unless set (verl interpolates
+        critic.ppo_mini_batch_size from the actor's)."""
+        critic, actor = self.critic, self.actor
+        if critic.ppo_mini_batch_size is None:
+            critic.ppo_mini_batch_size = actor.ppo_mini_batch_size
+        if critic.ppo_micro_batch_size is None:
+            critic.ppo_micro_batch_size = actor.ppo_micro_batch_size
+        return self
+
+    @model_validator(mode="after")
     def _check_batch_sizes(self) -> Config:
         gae = self.algorithm.adv_estimator == "gae"
         if gae and self.critic.ppo_mini_batch_size > self.data.train_batch_size:

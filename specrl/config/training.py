@@ -119,8 +119,16 @@ class CriticConfig(Section):
         0.5, gt=0.0, description="how far a value prediction may move from the one GAE used"
     )
     ppo_epochs: int = Field(1, ge=1, description="passes over each step's rollouts")
-    ppo_mini_batch_size: int = Field(16, ge=1, description="prompts per optimizer step")
-    ppo_micro_batch_size: int = Field(64, ge=1, description="sequences per forward/backward")
+    ppo_mini_batch_size: int | None = Field(
+        None,
+        ge=1,
+        description="prompts per optimizer step; None: actor.ppo_mini_batch_size (as verl)",
+    )
+    ppo_micro_batch_size: int | None = Field(
+        None,
+        ge=1,
+        description="sequences per forward/backward; None: actor.ppo_micro_batch_size",
+    )
     grad_clip: float = Field(1.0, gt=0.0, description="max global gradient norm")
     lora: LoraConfig = Field(
         default_factory=LoraConfig,

@@ -3,10 +3,11 @@ and the seeded loader that walks them epoch by epoch."""
 
 from __future__ import annotations
 
+import dataclasses
 import random
 from collections import Counter
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Literal
 
 from transformers import PreTrainedTokenizerBase
 
@@ -19,6 +20,7 @@ __all__ = [
     "DataError",
     "PromptLoader",
     "encode_prompt",
+    "format_prompts",
     "load_prompts",
     "prompt_text",
     "read_splits",
@@ -51,6 +53,74 @@ def read_splits(cfg: DataConfig, seed: int) -> tuple[list[Example], list[Example
             cfg.val_files, cfg.prompt_key, cfg.answer_key, "data.val_files"
         )
     return train_examples, val_examples
+
+
+def format_prompts(
+    splits: tuple[list[Example], list[Example]],
+    chat_template: str | None,
+    apply_chat_template: Literal["auto", True, False],
+) -> tuple[tuple[list[Example], list[Example]], str | None]:
+    """(train, val) examples in the form the model is fed (`data.apply_chat_template`), and a
+    one-line note of what was done with plain text (None when nothing needs saying). With a chat
+    template, auto and true wrap a plain-text prompt as one user message; false turns messages
+    into their contents joined by newlines. Checked before any model loads."""
+    has_template = bool(chat_template)
+    if apply_chat_template is True and not has_template:
+        raise DataError(
+            "data.apply_chat_template=true, and the model's tokenizer has no chat template; "
+            "set data.apply_chat_template=auto (or false) to feed the prompts as they are"
+        )
+    plain_counts = [sum(isinstance(e.prompt, str) for e in split) for split in splits]
+    chat_counts = [len(split) - n for split, n in zip(splits, plain_counts, strict=True)]
+    plain, chat = _counted(plain_counts, "plain-text"), _counted(chat_counts, "chat")
+    if apply_chat_template is False:
+        splits = tuple([_as_text(e) for e in split] for split in splits)  # type: ignore[assignment]
+        if has_template and plain:
+            return splits, (
+                f"data: {plain} prompts are fed as they are, without the model's chat template "
+                "(data.apply_chat_template=false, TRL's plain-text format): a chat model may not "
+                "answer them as you expect"
+            )
+        if chat:
+            return splits, (
+                f"data: {chat} prompts are fed as their contents joined by newlines "
+                "(data.apply_chat_template=false)"
+            )
+        return splits, None
+    if not has_template:
+        if chat:
+            return splits, (
+                f"data: the model's tokenizer has no chat template: {chat} prompts are fed as "
+                "their contents joined by newlines"
+            )
+        return splits, None
+    if not plain:
+        return splits, None
+    splits = tuple([_as_message(e) for e in split] for split in splits)  # type: ignore[assignment]
+    return splits, (
+        f"data: {plain} prompts are rendered through the model's chat template as one user "
+        "message each (data.apply_chat_template=auto, as verl); data.apply_chat_template=false "
+        "feeds them as they are (TRL's plain-text format)"
+    )
+
+
+def _counted(counts: list[int], kind: str) -> str:
+    """'3 train and 1 val plain-text' for counts [3, 1]; '' when both are 0."""
+    if not any(counts):
+        return ""
+    return f"{counts[0]} train and {counts[1]} val {kind}"
+
+
+def _as_message(example: Example) -> Example:
+    if not isinstance(example.prompt, str):
+        return example
+    return dataclasses.replace(example, prompt=[{"role": "user", "content": example.prompt}])
+
+
+def _as_text(example: Example) -> Example:
+    if isinstance(example.prompt, str):
+        return example
+    return dataclasses.replace(example, prompt="\n".join(m["content"] for m in example.prompt))
 
 
 def tokenize_splits(
