@@ -41,13 +41,14 @@ from specrl.episodes.runner import EpisodeLoop, EpisodeStage
 from specrl.errors import UserError
 from specrl.evaluation import evaluate
 from specrl.lora import base_identity, check_base, rollout_weights, state_bytes
+from specrl.metrics import SignalWatch
 from specrl.models import eos_token_ids, load_tokenizer, resolve_model_path
 from specrl.rewards import RewardFunctions, load_reward_functions
 from specrl.run_dir import RunLock, open_run_dir
 from specrl.speculative.stage import SpeculativeStage
 from specrl.threads import run_threads
 from specrl.toy_policy import ToyPolicySpec, ensure_toy_policy
-from specrl.tracking import Tracker
+from specrl.tracking import GENERATIONS, Tracker
 from specrl.types import Prompt
 
 
@@ -81,11 +82,10 @@ class Run:
     stage: RolloutBackend | EpisodeStage
     episodes: EpisodeLoop | None
     rollout_logprobs_are_old_logprobs: bool
+    signal: SignalWatch  # says once when steps in a row give nothing to learn from
     total_steps: int
     global_step: int = 0
     bad_steps: int = 0  # consecutive steps with skipped (non-finite) updates
-    flat_steps: int = 0  # consecutive steps in which every group's scores were equal
-    flat_warned: bool = False  # the warning about them is given once per run
 
     def checkpointed(self) -> dict[str, Any]:
         """The parts whose state a checkpoint holds, by name."""
@@ -246,6 +246,7 @@ def build_run(cfg: Config, tracker: Tracker | None = None) -> Run:
         stage=stage,
         episodes=episodes,
         rollout_logprobs_are_old_logprobs=logprobs_are_the_trainers(cfg, sampling),
+        signal=SignalWatch(cfg.rollout.n, run_dir / GENERATIONS),
         total_steps=min(steps, cfg.trainer.total_training_steps or steps),
     )
     if state is not None:

@@ -5,12 +5,44 @@ from __future__ import annotations
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import torch
 
+from specrl.algorithms.dapo import groups_with_signal
 from specrl.algorithms.losses import masked_mean
 from specrl.types import Rollout
+
+
+@dataclass
+class SignalWatch:
+    """Watches for a run that learns nothing: `steps` steps in a row whose every group's scores
+    were equal (every advantage 0). Says so once per run."""
+
+    group_size: int
+    generations: Path  # where the run keeps what the policy writes
+    steps: int = 3
+    flat: int = 0  # steps in a row without a group whose scores differ
+    warned: bool = False
+
+    def check(self, step: int, scores: Sequence[float]) -> str | None:
+        """The warning to give after `step`'s scores, or None."""
+        groups = torch.tensor(scores).view(-1, self.group_size)  # [G, n]
+        self.flat = 0 if bool(groups_with_signal(groups).any()) else self.flat + 1
+        if self.flat < self.steps or self.warned:
+            return None
+        self.warned = True
+        values = sorted({round(s, 4) for s in scores})
+        shown = ", ".join(map(str, values[:3])) + (", ..." if len(values) > 3 else "")
+        return (
+            f"steps {step - self.steps + 1}-{step}: every group's scores were equal (scores "
+            f"{shown}), so every advantage is 0 and nothing is learned. Likely causes: the prompt "
+            "format (a chat model untemplated: data.apply_chat_template), the reward function or "
+            "its ground truth column (custom_reward_function, data.answer_key), or a task the "
+            f"policy never (or always) solves; what the policy writes is in {self.generations}"
+        )
 
 
 @contextmanager

@@ -21,11 +21,8 @@ from specrl.errors import UserError
 from specrl.metrics import data_metrics, logprob_mismatch, timed, value_metrics
 from specrl.rewards import RewardFunctionError, Scores, score_rollouts
 from specrl.run_dir import RunInterrupted, StopSignals
-from specrl.tracking import GENERATIONS, Tracker
+from specrl.tracking import Tracker
 from specrl.types import Rollout
-
-# steps in a row with every group's scores equal before the run says it is learning nothing
-FLAT_STEPS = 3
 
 
 class TrainingDivergedError(UserError):
@@ -102,26 +99,6 @@ class Trainer(Run):
                 f"saving {path}. Lower actor.optim.lr or actor.grad_clip, or check the reward scale"
             )
 
-    def _check_signal(self, scores: Scores) -> None:
-        """Once per run, a warning when FLAT_STEPS steps in a row gave every group equal scores:
-        every advantage is zero and the update learns nothing."""
-        groups = torch.tensor(scores.scores).view(-1, self.cfg.rollout.n)  # [G, n]
-        flat = not bool(groups_with_signal(groups).any())
-        self.flat_steps = self.flat_steps + 1 if flat else 0
-        if self.flat_steps < FLAT_STEPS or self.flat_warned:
-            return
-        self.flat_warned = True
-        values = sorted({round(s, 4) for s in scores.scores})
-        shown = ", ".join(map(str, values[:3])) + (", ..." if len(values) > 3 else "")
-        self.tracker.warn(
-            f"steps {self.global_step - FLAT_STEPS + 1}-{self.global_step}: every group's scores "
-            f"were equal (scores {shown}), so every advantage is 0 and nothing is learned. Likely "
-            "causes: the prompt format (a chat model untemplated: data.apply_chat_template), the "
-            "reward function or its ground truth column (custom_reward_function, "
-            "data.answer_key), or a task the policy never (or always) solves; what the policy "
-            f"writes is in {self.run_dir / GENERATIONS}"
-        )
-
     def _due(self, freq: int) -> bool:
         return self.global_step == self.total_steps or (freq > 0 and self.global_step % freq == 0)
 
@@ -130,7 +107,8 @@ class Trainer(Run):
         metrics: dict[str, float] = {"training/global_step": self.global_step}
         step_start = time.perf_counter()
         rollouts, scores = self.collect_rollouts(metrics)
-        self._check_signal(scores)
+        if (warning := self.signal.check(self.global_step, scores.scores)) is not None:
+            self.tracker.warn(warning)
         if cfg.rollout.run_ahead:  # workers seed the next batch's trees during the update
             next_key = (cfg.trainer.seed, self.global_step + 1, "run-ahead")
             self.rollouts.run_ahead(self.loader.peek(), next_key, self.global_step)
