@@ -22,13 +22,13 @@ def rollout_seed(*key: object) -> int:
 
 @dataclass(frozen=True)
 class SlotRequest:
-    """One slot to roll out: at most `max_tokens` tokens, from its stored draft when `use_draft`
-    (and speculation is on)."""
+    """One slot to roll out: at most `max_tokens` tokens, reusing its history (its stored draft,
+    or its prompt's trie) when `may_reuse` and speculation is on."""
 
     prompt: Prompt
     slot: int
     max_tokens: int
-    use_draft: bool = True
+    may_reuse: bool = True
 
 
 def sample_rollouts(

@@ -146,7 +146,7 @@ class LenientRule(AcceptanceRule):
         an undrafted one was sampled from the current policy). The current logprob of the draft
         token where a response first leaves its draft is known from verification, except past
         the chunks chunked verification computed: `logprob_of` gives those, in one batch."""
-        drafted = [i for i, s in enumerate(slots) if s.verified is not None]
+        drafted = [i for i, s in enumerate(slots) if s.reused is not None and s.draft is not None]
         matched = {
             i: common_prefix(rollouts[i].token_ids, slots[i].draft.token_ids) for i in drafted
         }
@@ -154,9 +154,9 @@ class LenientRule(AcceptanceRule):
             i for i in drafted if matched[i] < min(len(rollouts[i].token_ids), len(slots[i].draft))
         ]
         mismatch = {
-            i: slots[i].verified.logprobs[matched[i]]
+            i: slots[i].reused.checked[matched[i]]
             for i in leaves
-            if matched[i] < len(slots[i].verified.logprobs)
+            if matched[i] < len(slots[i].reused.checked)
         }
         unverified = [i for i in leaves if i not in mismatch]
         extra = logprob_of(

@@ -10,6 +10,7 @@ themselves, so that any span of a run's metrics can be summed back into a `Rollo
 from __future__ import annotations
 
 import functools
+import time
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING
@@ -80,6 +81,14 @@ class RolloutStats:
             }
         )
 
+    def timed(self, call, *args):
+        """`call(*args)`, its seconds counted as the engine's (`timing_s/engine`: the rest of the
+        stage's time is host work, the walk, cuts and bookkeeping, that no forward pays)."""
+        started = time.perf_counter()
+        out = call(*args)
+        self.engine_s += time.perf_counter() - started
+        return out
+
     @classmethod
     def total(cls, stats: Iterable[RolloutStats]) -> RolloutStats:
         return sum(stats, cls())
@@ -126,14 +135,14 @@ class RolloutStats:
         `counts_drafts` the results count the drafts decoding verified; `in_decoding`: stored
         drafts were among them, their kept tokens decoded too."""
         self.rollouts += len(rollouts)
-        drafted = [s for s in slots if s.verified is not None]
-        walked = [s for s in slots if s.walked is not None]
-        self.drafts += len(drafted) + len(walked)
-        self.draft_age_sum += sum(version - s.draft.policy_version for s in drafted)
+        reusing = [s for s in slots if s.reused is not None]
+        self.drafts += len(reusing)
+        self.draft_age_sum += sum(
+            version - s.draft.policy_version for s in reusing if s.draft is not None
+        )
         # reused whole: not decoded, or (verified in decoding) nothing decoded past the draft
         self.fully_reused += len(rollouts) - sum(bool(r.token_ids) for r in results.values())
-        self.reused_tokens += sum(s.verified.cut for s in drafted)
-        self.reused_tokens += sum(len(s.walked.token_ids) for s in walked)
+        self.reused_tokens += sum(len(s.reused.tokens) for s in reusing)
         self.decoded_tokens += sum(len(r.token_ids) for r in results.values())
         self.slowest_forwards += max((r.forwards for r in results.values()), default=0)
         self.response_tokens += sum(len(r.token_ids) for r in rollouts)
@@ -143,8 +152,8 @@ class RolloutStats:
                 self.draft_output_tokens += len(r.token_ids)
                 self.drafted_tokens += r.draft_tokens
                 self.accepted_draft_tokens += r.accepted_tokens
-                if in_decoding and slots[i].verified is not None:
-                    self.draft_output_tokens += slots[i].verified.cut  # decoded, then kept
+                if in_decoding and slots[i].reused is not None:
+                    self.draft_output_tokens += len(slots[i].reused.tokens)  # decoded, then kept
 
     def ratios(self) -> dict[str, float]:
         """The derived quantities, with the names they are logged under."""
