@@ -76,14 +76,14 @@ class SpecConfig(Section):
     )
     tree: TreeConfig = Field(default_factory=TreeConfig)
 
-    def walks_tries(self, trie_scoring: bool) -> bool:
+    def walks_tries(self, trie_verification: bool) -> bool:
         """Whether slots walk their prompts' history tries, on an engine that does (or not)
         score tries: `reuse` as set, auto resolved."""
         if not self.enabled:
             return False
         if self.reuse != "auto":
             return self.reuse == "trie"
-        return self.acceptance == "exact" and trie_scoring and self.verify_mode != "decoding"
+        return self.acceptance == "exact" and trie_verification and self.verify_mode != "decoding"
 
     def uses_tree(self) -> bool:
         """Whether token-tree drafts are in effect: `auto` uses them for what speculative

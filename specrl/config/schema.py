@@ -84,7 +84,7 @@ class Config(Section):
             slot_drafts = spec.tree.method == "specrl" and spec.reuse != "trie"
             spec.verify_mode = "decoding" if on_vllm and slot_drafts else "full"
         if spec.reuse == "auto":  # both built-in engines score tries
-            spec.reuse = "trie" if spec.walks_tries(trie_scoring=True) else "slot"
+            spec.reuse = "trie" if spec.walks_tries(trie_verification=True) else "slot"
         return self
 
     @model_validator(mode="after")
@@ -168,7 +168,7 @@ class Config(Section):
         if spec.reuse == "trie" and spec.verify_mode == "decoding":
             raise ValueError(
                 "rollout.spec.verify_mode=decoding verifies each slot's stored draft inside "
-                "decoding: set rollout.spec.reuse=slot with it (reuse=trie scores the whole trie "
+                "decoding: set rollout.spec.reuse=slot with it (reuse=trie verifies the whole trie "
                 "in one pass)"
             )
         if spec.tree.method == "suffix" and self.rollout.name != "vllm":

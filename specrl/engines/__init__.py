@@ -8,8 +8,8 @@ from specrl.engines.protocol import (
     Prefixes,
     RolloutEngine,
     SamplingParams,
+    TrieLogprobs,
     TrieRequest,
-    TrieScores,
 )
 
 __all__ = [
@@ -22,6 +22,6 @@ __all__ = [
     "Prefixes",
     "RolloutEngine",
     "SamplingParams",
+    "TrieLogprobs",
     "TrieRequest",
-    "TrieScores",
 ]

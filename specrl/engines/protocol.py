@@ -11,7 +11,7 @@ by whoever needs it (the speculative stage, the trainer):
 - `residual_sampling`: `GenRequest.excluded_tokens` is honoured (the first new token is drawn
   with those tokens removed and renormalised: the exact acceptance rule's residual);
 - `prefix_reuse`: `new_prefixes()` returns a `Prefixes` handle. `logprobs(..., prefixes=h)` keeps
-  in `h` the KV (and next-token distributions) of every sequence it scores; `generate(...,
+  in `h` the KV (and next-token distributions) of every sequence it verifies; `generate(...,
   prefixes=h)` continues a request whose context starts a sequence in `h` from there instead of
   computing it again. The handle is the whole contract: nothing is kept behind the caller's back,
   several `logprobs` calls (chunked verification) add to one handle, and it is only valid for
@@ -20,11 +20,11 @@ by whoever needs it (the speculative stage, the trainer):
 - `own_drafts`: the engine drafts for itself while it decodes (vLLM's suffix decoding), in
   `generate`; its results count the decode forwards, draft and accepted tokens as
   `generate_with_drafts` results do;
-- `trie_scoring`: `score_tries(requests, prefixes)` scores a prompt's trie of earlier responses
+- `trie_verification`: `verify_tries(requests, prefixes)` verifies a prompt's trie of earlier responses
   in one pass (every node attends to the prompt and its own ancestors) and returns, per node,
   what the engine's sampler needs to decide whether a slot's next token is that node
-  (`TrieScores`); with `prefixes`, decoding that leaves a trie at a node continues from the
-  node's KV. Where the scores are `coupled`, the walk and decoding map the same uniform to the
+  (`TrieLogprobs`); with `prefixes`, decoding that leaves a trie at a node continues from the
+  node's KV. Where the trie logprobs are `coupled`, the walk and decoding map the same uniform to the
   same token at every node; otherwise decoding after a walk excludes the children of the node
   it left at (`residual_sampling`).
 """
@@ -108,8 +108,8 @@ class TrieRequest:
 
 
 @dataclass(frozen=True)
-class TrieScores:
-    """The current policy over a scored trie, indexed by node (0: the root). A walk at node v
+class TrieLogprobs:
+    """The current policy over a verified trie, indexed by node (0: the root). A walk at node v
     with a uniform u moves to the child whose interval (low[c], high[c]] holds u · total[v], and
     leaves the trie at v when none does.
 
@@ -138,11 +138,11 @@ class Capabilities:
     sleep: bool = False
     own_drafts: bool = False
     ragged_drafts: bool = False
-    trie_scoring: bool = False
+    trie_verification: bool = False
 
 
 class Prefixes(Protocol):
-    """An engine's handle on the KV of scored sequences (`Capabilities.prefix_reuse`); opaque to
+    """An engine's handle on the KV of verified sequences (`Capabilities.prefix_reuse`); opaque to
     callers."""
 
 

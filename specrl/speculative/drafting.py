@@ -39,7 +39,7 @@ class DraftWidth:
     an engine that pads every sequence to K drafts, the drafts themselves on a `ragged` one. The
     three are fitted (exponentially weighted least squares) to the engine's own decode forwards.
     A sequence whose source proposed L tokens produces 1 + α + … + α^min(L, K) tokens in
-    expectation, α being the measured per-token acceptance rate. With a large batch and drafts
+    expectation, α being the measured per-token accept rate. With a large batch and drafts
     that cost as much as sequences the best K is 0; in the long tail of a batch, where c0
     dominates, it is large. cd is only measured by forwards that verify drafts: while none has
     been seen lately (their weight decays with the cost), the next forward with proposals

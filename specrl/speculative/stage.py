@@ -70,7 +70,7 @@ class SpeculativeStage:
             cfg.uses_tree() and capabilities.draft_decoding and cfg.tree.method == "specrl"
         )
         # a prompt's trie of its last `window` rollouts: what slots walk, and drafts come from
-        wants_tree = self.tree_drafts or cfg.walks_tries(capabilities.trie_scoring)
+        wants_tree = self.tree_drafts or cfg.walks_tries(capabilities.trie_verification)
         self.prompts = PromptState(
             TokenTree(cfg.tree.window, cfg.tree.max_nodes) if wants_tree else None
         )

@@ -76,7 +76,7 @@ def test_scoring_and_tries_count_every_position_they_compute():
     assert (c.verify_forwards, c.verify_rows, c.verify_positions) == (2, 2, 7)
     hf.counts = ForwardCounts()
     # a prompt of 3 and a trie of 3 nodes: 1 under the root, 2 and 3 under node 1
-    hf.score_tries([TrieRequest([3, 4, 5], [0, 1, 1], [6, 7, 8])])
+    hf.verify_tries([TrieRequest([3, 4, 5], [0, 1, 1], [6, 7, 8])])
     c = hf.counts
     assert (c.verify_forwards, c.verify_rows, c.verify_positions, c.verify_kv_reads) == (1, 1, 6, 6)
     assert c.verify_seconds > 0 and c.prefill_seconds == c.decode_seconds == 0

@@ -3,7 +3,7 @@ several tokens per forward with a drafter's drafts (model-free speculative decod
 
 Batches are left-padded; every sequence keeps its own position ids, so padding never changes a
 result. A sequence that finishes leaves the batch and its rows leave the KV cache: it costs
-nothing afterwards. A request whose context starts a sequence scored into the caller's
+nothing afterwards. A request whose context starts a sequence verified into the caller's
 `prefixes` takes that KV, and the distribution of its first new token, from the verification pass.
 Every token is sampled with a counter-based uniform of (request seed, position), so drafts,
 batching and cached prefixes change how much is computed, never which tokens come out.
@@ -171,8 +171,8 @@ class Decoder:
     def _first_tokens(
         self, requests: list[GenRequest], results: list[GenResult]
     ) -> list[GenRequest]:
-        """Sample the first new token of every request that continues a sequence scored into
-        `prefixes` from the distribution scoring kept (`PrefixCache.next_token`), with the uniform and the
+        """Sample the first new token of every request that continues a sequence verified into
+        `prefixes` from the distribution verification kept (`PrefixCache.next_token`), with the uniform and the
         residual decoding would use, into `results`: → the requests, those one token further
         (no budget left once it ends the sequence)."""
         found: dict[int, torch.Tensor] = {}  # request → distribution of its first token
@@ -267,7 +267,7 @@ class Decoder:
 
     def _prefill(self, contexts: list[list[int]]) -> tuple[DynamicCache, torch.Tensor]:
         """KV cache and attention mask [B, W] for each context minus its last token. Rows whose
-        tokens were scored into `prefixes` take the KV of those tokens from there (`_hit_kv`); the
+        tokens were verified into `prefixes` take the KV of those tokens from there (`_hit_kv`); the
         rest are computed in one forward pass."""
         heads = [c[:-1] for c in contexts]
         prefixes = self.prefixes
@@ -366,7 +366,7 @@ def left_pad(
 
 
 def _hit_kv(kv: list[torch.Tensor], hits: list[Hit]) -> tuple[list[torch.Tensor], torch.Tensor]:
-    """The cached KV of each hit's columns and no other (a trie row holds every branch, a scored
+    """The cached KV of each hit's columns and no other (a trie row holds every branch, a verified
     sequence its draft past the head), left-padded to the longest: per layer [G, heads, L, dim],
     and the mask [G, L]. Padding reads the row's first column, masked out."""
     columns = [hit.columns for hit in hits]

@@ -2,7 +2,7 @@
 
 The loop is ours (not `model.generate()`) so that forced prefixes, per-request budgets, seeds and
 multi-token verification of draft tokens are under our control (decode.py). This module is the
-facade: batching, scoring (`logprobs`) and weights. Every capability of the protocol is
+facade: batching, verification (`logprobs`) and weights. Every capability of the protocol is
 implemented: draft decoding, residual sampling, prefix reuse (a `PrefixCache` handle); no sleep
 (it shares the trainer's device and usually its model object).
 """
@@ -27,8 +27,8 @@ from specrl.engines.protocol import (
     GenRequest,
     GenResult,
     LogprobRequest,
+    TrieLogprobs,
     TrieRequest,
-    TrieScores,
     distinct_requests,
 )
 from specrl.engines.sampling import RowSampling, sampling_logprobs
@@ -39,12 +39,12 @@ class HFEngine:
     weights are shared, so there is nothing to sync after an update."""
 
     capabilities = Capabilities(
-        draft_decoding=True, residual_sampling=True, prefix_reuse=True, trie_scoring=True
+        draft_decoding=True, residual_sampling=True, prefix_reuse=True, trie_verification=True
     )
     logits_budget = 2**26  # most logits one trie pass computes (256 MB in float32)
     padding_slack = 0.25  # a verification forward computes at most this much padding
     # a trie forward's tree attention mask is dense, [W, W] per row: padding costs it more
-    # (scoring recorded tries of the default task: 0.1 took 11% less time than 0.25)
+    # (verification recorded tries of the default task: 0.1 took 11% less time than 0.25)
     trie_padding_slack = 0.1
 
     def __init__(
@@ -115,7 +115,7 @@ class HFEngine:
         """One forward pass per batch of distinct sequences of similar widths (`width_batches`,
         at most `max_batch_size` rows). Identical
         requests (the n slots of a prompt often hold the same draft) are computed once. With
-        `prefixes`, the KV of every scored sequence is kept there for `generate`."""
+        `prefixes`, the KV of every verified sequence is kept there for `generate`."""
         distinct, where = distinct_requests(requests)
         batches = width_batches(
             [len(r.context_ids) + len(r.target_ids) for r in distinct],
@@ -123,8 +123,8 @@ class HFEngine:
             self.max_batch_size,
             self.padding_slack,
         )
-        scored = _in_batches(distinct, batches, lambda b: self._logprob_batch(b, prefixes))
-        return [scored[i] for i in where]
+        verified = _in_batches(distinct, batches, lambda b: self._logprob_batch(b, prefixes))
+        return [verified[i] for i in where]
 
     def _logprob_batch(
         self, requests: Sequence[LogprobRequest], prefixes: PrefixCache | None
@@ -152,9 +152,9 @@ class HFEngine:
         ]
 
     @torch.inference_mode()
-    def score_tries(
+    def verify_tries(
         self, requests: Sequence[TrieRequest], prefixes: PrefixCache | None = None
-    ) -> list[TrieScores]:
+    ) -> list[TrieLogprobs]:
         """Every trie in one forward with a tree attention mask, in batches of tries of similar
         sizes (`width_batches`), of at most `logits_budget` logits. With `prefixes`, the KV of
         every node (and its distribution, when small) is kept there for `generate`."""
@@ -170,7 +170,7 @@ class HFEngine:
 
     def _trie_batch(
         self, requests: Sequence[TrieRequest], prefixes: PrefixCache | None
-    ) -> list[TrieScores]:
+    ) -> list[TrieLogprobs]:
         ids, mask, positions, attention = tree_inputs(
             [(r.prompt_ids, r.parents, r.tokens) for r in requests], self.pad_token_id
         )
@@ -195,7 +195,7 @@ class HFEngine:
             rows = RowSampling.of([r.sampling], self.device).repeat(nodes + 1)
             distributions = sampling_logprobs(row[most - nodes :], rows)  # [N + 1, V]
             kept.append(distributions)
-            out.append(trie_scores(distributions, r.parents, r.tokens))
+            out.append(trie_logprobs(distributions, r.parents, r.tokens))
         if prefixes is not None:
             kv = layers_kv(cache)
             dists = torch.nn.utils.rnn.pad_sequence(kept, batch_first=True)  # [B, N + 1, V]
@@ -328,9 +328,9 @@ def tree_inputs(
     return torch.from_numpy(ids), torch.from_numpy(mask), torch.from_numpy(positions), real
 
 
-def trie_scores(
+def trie_logprobs(
     distributions: torch.Tensor, parents: Sequence[int], tokens: Sequence[int]
-) -> TrieScores:
+) -> TrieLogprobs:
     """The sampler's view of a trie from the distribution after each node (root first)
     [N + 1, V], with the arithmetic of `sample_from_logprobs`."""
     cdf = distributions.double().exp().cumsum(-1).cpu()  # [N + 1, V]
@@ -339,7 +339,7 @@ def trie_scores(
     high = cdf[parent, token]
     low = torch.where(token > 0, cdf[parent, (token - 1).clamp(min=0)], 0.0)
     logprobs = distributions.cpu()[parent, token]
-    return TrieScores(logprobs.numpy(), low.numpy(), high.numpy(), cdf[:, -1].numpy())
+    return TrieLogprobs(logprobs.numpy(), low.numpy(), high.numpy(), cdf[:, -1].numpy())
 
 
 def _nbytes(tensors: list[torch.Tensor]) -> int:

@@ -1,5 +1,5 @@
-"""Prefix KV kept from verification passes, for decoding that continues a scored sequence or a node
-of a scored trie."""
+"""Prefix KV kept from verification passes, for decoding that continues a verified sequence or a node
+of a verified trie."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from specrl.engines.protocol import SamplingParams
 @dataclass(frozen=True)
 class Hit:
     """Where a context's KV lies in a cached batch: its row and the KV columns it attends to, in
-    order (contiguous for a scored sequence; the prompt's and the node's ancestors' for a trie
+    order (contiguous for a verified sequence; the prompt's and the node's ancestors' for a trie
     node), and the row of the batch's kept distributions that follows it (None: not kept)."""
 
     batch: int
@@ -25,7 +25,7 @@ class Hit:
 
 @dataclass
 class _Trie:
-    """A scored trie in a cached batch: its row, where its prompt starts, and its nodes (node i
+    """A verified trie in a cached batch: its row, where its prompt starts, and its nodes (node i
     at column `nodes_start + i - 1`; node 0 is the root, after the prompt's last column)."""
 
     batch: int
@@ -37,11 +37,11 @@ class _Trie:
 
 
 class PrefixCache:
-    """The transformers engine's `Prefixes` handle: KV of the sequences `logprobs` scored into it
-    and of the tries `score_tries` scored, so decoding that continues a scored sequence (prompt +
+    """The transformers engine's `Prefixes` handle: KV of the sequences `logprobs` verified into it
+    and of the tries `verify_tries` verified, so decoding that continues a verified sequence (prompt +
     draft[:k]) or leaves a trie at a node does not compute its prefix again, and the sampling
     distributions there, so that its first new token needs no forward either (kept when they
-    take no more memory than the KV: small vocabularies). Valid for the weights it was scored
+    take no more memory than the KV: small vocabularies). Valid for the weights it was verified
     with."""
 
     def __init__(self) -> None:
@@ -76,7 +76,7 @@ class PrefixCache:
         distributions: torch.Tensor | None = None,
         sampling: Sequence[SamplingParams] = (),
     ) -> None:
-        """A batch of scored tries, one per row: (prompt ids, parent of each node, token of each
+        """A batch of verified tries, one per row: (prompt ids, parent of each node, token of each
         node), nodes 1..N in an order where parents come first, right-aligned after the prompt.
         `distributions` [B, N + 1, V]: row b's sampling distribution after its node i (i = 0:
         after the prompt)."""
@@ -105,7 +105,7 @@ class PrefixCache:
         return len(self.batches) - 1
 
     def next_token(self, context: list[int], sampling: SamplingParams) -> torch.Tensor | None:
-        """The sampling distribution [V] of the token after `context`, if it continues a scored
+        """The sampling distribution [V] of the token after `context`, if it continues a verified
         sequence or trie node whose distribution there was kept."""
         hit = self.find(context)
         if hit is None or hit.distribution is None:
@@ -116,8 +116,8 @@ class PrefixCache:
         return distributions[hit.row, hit.distribution]
 
     def find(self, head: list[int]) -> Hit | None:
-        """Where the KV of `head` is cached, if a scored sequence starts with it or it is a node
-        of a scored trie."""
+        """Where the KV of `head` is cached, if a verified sequence starts with it or it is a node
+        of a verified trie."""
         if not head:
             return None
         key = tuple(head)

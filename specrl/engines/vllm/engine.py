@@ -12,10 +12,10 @@ vllm.
 - prefix caching is vLLM's own (automatic prefix caching): decoding from prompt + draft[:k]
   reuses the KV that verifying prompt + draft computed, without a handle (the engine does not
   declare `prefix_reuse`). It is reset after every weight sync.
-- tries (`score_tries`): each root-to-leaf path of a prompt's history trie is one
-  prompt-logprobs request; the scores are not coupled with vLLM's sampler (see `TrieScores`).
+- tries (`verify_tries`): each root-to-leaf path of a prompt's history trie is one
+  prompt-logprobs request; the trie logprobs are not coupled with vLLM's sampler (see `TrieLogprobs`).
 - capabilities: residual sampling (`allowed_token_ids` where nothing is truncated; under top-k /
-  top-p the residual is drawn here from vLLM's processed distribution), trie scoring and
+  top-p the residual is drawn here from vLLM's processed distribution), trie verification and
   sleep; draft decoding when built with `draft_tokens` > 0: vLLM's speculative decoding with
   specrl's proposer (proposer.py), whose point-mass drafts vLLM's rejection sampler verifies
   with the exact rule. Built with `draft_method="suffix"` instead, vLLM drafts with its own
@@ -47,8 +47,8 @@ from specrl.engines.protocol import (
     LogprobRequest,
     Prefixes,
     SamplingParams,
+    TrieLogprobs,
     TrieRequest,
-    TrieScores,
     distinct_requests,
 )
 from specrl.engines.sampling import (
@@ -60,7 +60,7 @@ from specrl.engines.vllm import cpu_kernels, import_vllm
 from specrl.engines.vllm.outputs import (
     logprob_rows,
     sampled_logprobs,
-    score_tries,
+    tries_as_paths,
     untransformed,
     verified_logprobs,
 )
@@ -155,7 +155,7 @@ class VLLMEngine:
             residual_sampling=True,
             sleep=True,
             own_drafts=suffix,
-            trie_scoring=True,
+            trie_verification=True,
         )
         self.proposer: Proposer | None = (
             self.llm.collective_rpc(attach)[0] if specrl_drafts else None
@@ -339,7 +339,7 @@ class VLLMEngine:
     def _count(self, kind: str, context: int, new: int) -> None:
         """A request's work, from its lengths: its context prefilled whole (the prefix cache
         may have spared part of it), then one position per new token, each reading the context
-        so far (a scoring request's one new token included)."""
+        so far (a verification request's one new token included)."""
         self.counts.record("prefill", 0, context, context, causal_attended(context, 0), forwards=0)
         attended = causal_attended(new, context)  # one position per forward: pairs = KV read
         self.counts.record(kind, 0, new, attended, attended, forwards=0)
@@ -348,13 +348,13 @@ class VLLMEngine:
     def logprobs(
         self, requests: Sequence[LogprobRequest], prefixes: Prefixes | None = None
     ) -> list[torch.Tensor]:
-        """Prompt logprobs of each distinct request (identical ones are scored once)."""
+        """Prompt logprobs of each distinct request (identical ones are verified once)."""
         _no_prefixes(prefixes)
         distinct, where = distinct_requests(requests)
-        scored = self._score_distinct(distinct)
-        return [scored[i] for i in where]
+        verified = self._logprobs_of_distinct(distinct)
+        return [verified[i] for i in where]
 
-    def _score_distinct(self, requests: Sequence[LogprobRequest]) -> list[torch.Tensor]:
+    def _logprobs_of_distinct(self, requests: Sequence[LogprobRequest]) -> list[torch.Tensor]:
         if not requests:
             return []
         plain = [untransformed(r.sampling) for r in requests]
@@ -373,16 +373,16 @@ class VLLMEngine:
         return verified_logprobs(requests, outputs, self.vocab_size)
 
     # ---------------------------------------------------------------- tries
-    def score_tries(
+    def verify_tries(
         self, requests: Sequence[TrieRequest], prefixes: Prefixes | None = None
-    ) -> list[TrieScores]:
-        """vLLM has no tree attention: each trie is scored as its root-to-leaf paths, one
+    ) -> list[TrieLogprobs]:
+        """vLLM has no tree attention: each trie is verified as its root-to-leaf paths, one
         prompt-logprobs request each (`logprobs`), and every node's logprob after its parent is
-        read off a path through it. vLLM's sampler is its own, so the scores are not coupled:
-        the children of each node get intervals laid end to end (see `TrieScores`), and a slot
+        read off a path through it. vLLM's sampler is its own, so the trie logprobs are not coupled:
+        the children of each node get intervals laid end to end (see `TrieLogprobs`), and a slot
         that leaves the trie decodes from the residual without the children."""
         _no_prefixes(prefixes)
-        return score_tries(requests, self.logprobs)
+        return tries_as_paths(requests, self.logprobs)
 
     # ---------------------------------------------------------------- weights
     def load_weights(self, state: Mapping[str, torch.Tensor]) -> None:

@@ -1,5 +1,5 @@
 """vLLM's outputs read as specrl's logprobs: of sampled and verified tokens from vLLM's flat
-logprobs, whole processed distributions as rows, and a trie's scores (`TrieScores`) from the
+logprobs, whole processed distributions as rows, and a trie's logprobs (`TrieLogprobs`) from the
 prompt logprobs of its root-to-leaf paths. Plain functions over vLLM's output objects; nothing here
 imports vllm."""
 
@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from specrl.engines.protocol import LogprobRequest, SamplingParams, TrieRequest, TrieScores
+from specrl.engines.protocol import LogprobRequest, SamplingParams, TrieLogprobs, TrieRequest
 from specrl.engines.sampling import RowSampling, sampling_logprobs
 
 if TYPE_CHECKING:
@@ -36,8 +36,8 @@ def trie_paths(parents: Sequence[int]) -> list[list[int]]:
     return paths
 
 
-def sibling_intervals(logprobs: np.ndarray, parents: Sequence[int]) -> TrieScores:
-    """Uncoupled scores: under each node its children's intervals lie end to end from 0, child
+def sibling_intervals(logprobs: np.ndarray, parents: Sequence[int]) -> TrieLogprobs:
+    """Uncoupled trie logprobs: under each node its children's intervals lie end to end from 0, child
     c's as long as p(c), and every total is 1."""
     probs = np.exp(logprobs)
     low, high = np.zeros(len(probs)), np.zeros(len(probs))
@@ -45,7 +45,7 @@ def sibling_intervals(logprobs: np.ndarray, parents: Sequence[int]) -> TrieScore
     for child, parent in enumerate(parents, start=1):
         low[child] = filled[parent]
         high[child] = filled[parent] = low[child] + probs[child]
-    return TrieScores(logprobs, low, high, np.ones(len(probs)), coupled=False)
+    return TrieLogprobs(logprobs, low, high, np.ones(len(probs)), coupled=False)
 
 
 def verified_logprobs(
@@ -55,28 +55,28 @@ def verified_logprobs(
     where vLLM's raw prompt logprobs are the sampling distribution's (`untransformed`: vLLM
     was asked for the targets' only), else from the whole rows put through the request's
     temperature / top-k / top-p."""
-    scored = []
+    verified = []
     for r, out in zip(requests, outputs, strict=True):
         n = len(r.target_ids)
         first = len(out.prompt_token_ids) - n
         if untransformed(r.sampling):
-            scored.append(torch.tensor(target_logprobs(out.prompt_logprobs, first, r.target_ids)))
+            verified.append(torch.tensor(target_logprobs(out.prompt_logprobs, first, r.target_ids)))
             continue
         raw = logprob_rows(out.prompt_logprobs, first, n, vocab_size)
         logprobs = sampling_logprobs(raw, RowSampling.of([r.sampling], raw.device).repeat(n))
-        scored.append(logprobs.gather(1, torch.tensor(r.target_ids)[:, None]).squeeze(1))
-    return scored
+        verified.append(logprobs.gather(1, torch.tensor(r.target_ids)[:, None]).squeeze(1))
+    return verified
 
 
-def score_tries(
+def tries_as_paths(
     requests: Sequence[TrieRequest],
     logprobs: Callable[[list[LogprobRequest]], list[torch.Tensor]],
-) -> list[TrieScores]:
-    """Each trie scored as its root-to-leaf paths, one prompt-logprobs request each (`logprobs`
-    scores them all in one call), every node's logprob after its parent read off a path
+) -> list[TrieLogprobs]:
+    """Each trie verified as its root-to-leaf paths, one prompt-logprobs request each (`logprobs`
+    verifies them all in one call), every node's logprob after its parent read off a path
     through it; uncoupled intervals (`sibling_intervals`)."""
     paths = [trie_paths(r.parents) for r in requests]
-    scored = iter(
+    verified = iter(
         logprobs(
             [
                 LogprobRequest(r.prompt_ids, [r.tokens[v - 1] for v in path], r.sampling)
@@ -89,7 +89,7 @@ def score_tries(
     for r, trie in zip(requests, paths, strict=True):
         node_logprobs = np.zeros(len(r.tokens) + 1)
         for path in trie:
-            node_logprobs[path] = next(scored).double().numpy()
+            node_logprobs[path] = next(verified).double().numpy()
         out.append(sibling_intervals(node_logprobs, r.parents))
     return out
 

@@ -1,7 +1,7 @@
 """The ways a slot reuses history, one class each, chosen once per stage from the config and the
 engine's capabilities (`reuse_strategy`):
 
-- `trie` (`TrieReuse`, trie.py): each prompt's history trie scored in one pass, every slot walked
+- `trie` (`TrieReuse`, trie.py): each prompt's history trie verified in one pass, every slot walked
   down it with vanilla decoding's uniforms (the exact rule's default);
 - `slot` (`SlotReuse`, slot.py): each slot's stored draft verified in one pass (or in chunks) and
   cut by the acceptance rule (SPEC-RL);
@@ -42,10 +42,10 @@ def reuse_strategy(
             "rollout.spec.acceptance=exact needs an engine that samples from residuals; "
             "use rollout.spec.acceptance=specrl on this engine"
         )
-    if cfg.walks_tries(capabilities.trie_scoring):
-        if not capabilities.trie_scoring:
+    if cfg.walks_tries(capabilities.trie_verification):
+        if not capabilities.trie_verification:
             raise UserError(
-                "rollout.spec.reuse=trie needs an engine that scores tries (hf, vllm); "
+                "rollout.spec.reuse=trie needs an engine that verifies tries (hf, vllm); "
                 "use rollout.spec.reuse=slot on this engine"
             )
         return TrieReuse(engine, prompts.tree, sampling)

@@ -42,8 +42,8 @@ class StoredDraftReuse(Reuse):
 
 
 class SlotReuse(StoredDraftReuse):
-    """Each slot's stored draft verified before decoding: `full` scores every draft token in one
-    pass; `chunked` scores verify_chunk_size tokens per pass and drops each draft from later
+    """Each slot's stored draft verified before decoding: `full` verifies every draft token in one
+    pass; `chunked` verifies verify_chunk_size tokens per pass and drops each draft from later
     passes at its first rejection."""
 
     def __init__(

@@ -1,5 +1,5 @@
 """History tries (`rollout.spec.reuse=trie`, the exact rule's default): each prompt's trie of
-earlier responses scored in one pass (the engine's `score_tries`), every slot walked down it
+earlier responses verified in one pass (the engine's `verify_tries`), every slot walked down it
 with the uniforms vanilla decoding would use (`walk_trie`); a slot decodes on from the node
 where it leaves its trie."""
 
@@ -11,7 +11,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from specrl.engines import Prefixes, RolloutEngine, SamplingParams, TrieRequest, TrieScores
+from specrl.engines import Prefixes, RolloutEngine, SamplingParams, TrieLogprobs, TrieRequest
 from specrl.engines.sampling import seeded_uniform
 from specrl.speculative.reuse.base import Reuse
 from specrl.speculative.slots import Reused, Slot
@@ -52,7 +52,7 @@ class TrieReuse(Reuse):
             TrieRequest(ids, tree.parent[1:], tree.token[1:], self.sampling)
             for (_, ids), tree in zip(groups, trees, strict=True)
         ]
-        scores = stats.timed(self.engine.score_tries, requests, prefixes)
+        verified = stats.timed(self.engine.verify_tries, requests, prefixes)
         stats.trie_prompts += len(requests)
         stats.trie_nodes += sum(len(r.tokens) for r in requests)
         stats.verified_tokens += sum(len(r.tokens) for r in requests)
@@ -61,7 +61,7 @@ class TrieReuse(Reuse):
         positions = first + torch.arange(max(slots[i].budget for i in walkers))[None, :]
         uniforms = seeded_uniform(seeds.expand_as(positions), positions).numpy()  # [S, R]
         eos = self.engine.eos_token_ids
-        for rows, tree, trie in zip(groups.values(), trees, scores, strict=True):
+        for rows, tree, trie in zip(groups.values(), trees, verified, strict=True):
             walking = [slots[walkers[row]] for row in rows]
             walks = walk_trie(tree, trie, uniforms[rows], [s.budget for s in walking], eos)
             for s, walked in zip(walking, walks, strict=True):
@@ -71,21 +71,21 @@ class TrieReuse(Reuse):
 
 def walk_trie(
     tree: PromptTree,
-    scores: TrieScores,
+    trie: TrieLogprobs,
     uniforms: np.ndarray,
     budgets: Sequence[int],
     eos_token_ids: frozenset[int],
 ) -> list[Reused]:
-    """The walks of a prompt's slots down its scored trie, one per row of `uniforms`
+    """The walks of a prompt's slots down its verified trie, one per row of `uniforms`
     [S, most budget] (a slot's uniforms at its response positions; `budgets`: its most tokens).
     At response position t a slot takes the child of its node whose interval holds its uniform
     for t, scaled by the node's total, and moves down; where no child's does it leaves the trie.
-    With coupled scores that is the token vanilla decoding would draw there, and decoding draws
+    With coupled logprobs that is the token vanilla decoding would draw there, and decoding draws
     that same token next; otherwise the next token is drawn from the residual without the
     node's children."""
     # Python floats: a walk indexes them token by token (the same float64 arithmetic)
-    low, high, total = scores.low.tolist(), scores.high.tolist(), scores.total.tolist()
-    current = scores.logprobs.tolist()
+    low, high, total = trie.low.tolist(), trie.high.tolist(), trie.total.tolist()
+    current = trie.logprobs.tolist()
     walks = []
     for slot_uniforms, budget in zip(uniforms.tolist(), budgets, strict=True):
         node, tokens, logprobs = ROOT, [], []
@@ -96,7 +96,7 @@ def walk_trie(
             children = tree.children[node]
             child = next((c for c in children.values() if low[c] < target <= high[c]), None)
             if child is None:
-                finish, excluded = None, () if scores.coupled else tuple(children)
+                finish, excluded = None, () if trie.coupled else tuple(children)
                 break
             node = child
             tokens.append(tree.token[node])
