@@ -47,6 +47,44 @@ def make_tiny_model(
     return Qwen2ForCausalLM(config).eval()
 
 
+# A tiny policy shaped like a real chat model (SmolLM2's template): a vocabulary of thousands,
+# pad == eos == the end-of-turn token, which also occurs inside every prompt
+CHAT_VOCAB, CHAT_EOS, CHAT_START = 4096, 2, 3  # <|im_end|> (eos and pad), <|im_start|>
+CHAT_SYSTEM, CHAT_USER, CHAT_ASSISTANT, CHAT_NEWLINE = 4, 5, 6, 7
+
+
+def make_chat_like_model(seed: int = 0) -> Qwen2ForCausalLM:
+    """A random 2-layer Qwen2 over CHAT_VOCAB tokens, its logits peaked enough that a prompt's
+    samples share prefixes (a trie to walk), pad == eos."""
+    torch.manual_seed(seed)
+    config = Qwen2Config(
+        vocab_size=CHAT_VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=256,
+        initializer_range=2.0, pad_token_id=CHAT_EOS, eos_token_id=CHAT_EOS, tie_word_embeddings=True,
+    )  # fmt: skip
+    return Qwen2ForCausalLM(config).eval()
+
+
+def chat_like_prompts(count: int, seed: int = 0) -> list:
+    """`count` prompts as a chat template renders them, of different lengths: a system turn and
+    a user turn, each closed by the eos token, then the assistant's header."""
+    from specrl.types import Example, Prompt
+
+    generator = torch.Generator().manual_seed(seed)
+    prompts = []
+    for i in range(count):
+        system = torch.randint(100, CHAT_VOCAB, (3,), generator=generator).tolist()
+        length = int(torch.randint(2, 30, (1,), generator=generator))
+        user = torch.randint(100, CHAT_VOCAB, (length,), generator=generator).tolist()
+        ids = [
+            CHAT_START, CHAT_SYSTEM, CHAT_NEWLINE, *system, CHAT_EOS, CHAT_NEWLINE,
+            CHAT_START, CHAT_USER, CHAT_NEWLINE, *user, CHAT_EOS, CHAT_NEWLINE,
+            CHAT_START, CHAT_ASSISTANT, CHAT_NEWLINE,
+        ]  # fmt: skip
+        prompts.append(Prompt(tuple(ids), Example(f"prompt {i}", "", "chat-like")))
+    return prompts
+
+
 @pytest.fixture
 def tiny_model() -> Qwen2ForCausalLM:
     return make_tiny_model()

@@ -5,6 +5,7 @@ token with decoding's uniform), and distributed as the policy's samples whatever
 
 import numpy as np
 import pytest
+import torch
 
 from specrl.config import ConfigError, SpecConfig, load_config
 from specrl.engines import GREEDY, GenRequest, LogprobRequest, SamplingParams, TrieRequest
@@ -13,8 +14,16 @@ from specrl.rollouts import sample_rollouts
 from specrl.speculative.stage import SpeculativeStage
 from specrl.speculative.tree import PromptTree
 from specrl.types import Example, Prompt
-from tests.conftest import EOS, PAD, make_tiny_model
+from tests.conftest import (
+    CHAT_EOS,
+    EOS,
+    PAD,
+    chat_like_prompts,
+    make_chat_like_model,
+    make_tiny_model,
+)
 from tests.speculative.distributions import SAMPLING, distribution_pvalue, target_and_drafter
+from tests.speculative.exactness import compare_trie_with_vanilla
 
 SAMPLINGS = {
     "t1": SamplingParams(1.0),
@@ -49,7 +58,7 @@ def test_a_trie_pass_scores_every_node_as_scoring_its_path_does(sampling):
     tree = trie_of(RESPONSES)
     prompts = [[2, 5, 7], [6]]  # two rows of different widths in one pass
     requests = [TrieRequest(p, tree.parent[1:], tree.token[1:], sampling) for p in prompts]
-    for prompt, scores in zip(prompts, engine.score_tries(requests), strict=True):
+    for prompt, scores in zip(prompts, engine.verify_tries(requests), strict=True):
         for response in RESPONSES:
             [expected] = engine.logprobs([LogprobRequest(prompt, response, sampling)])
             node, got = 0, []
@@ -68,7 +77,7 @@ def test_decoding_that_leaves_a_trie_continues_from_the_nodes_kv():
     tree = trie_of(RESPONSES)
     prompt, sampling = [2, 5, 7], SamplingParams(1.0)
     prefixes = engine.new_prefixes()
-    engine.score_tries([TrieRequest(prompt, tree.parent[1:], tree.token[1:], sampling)], prefixes)
+    engine.verify_tries([TrieRequest(prompt, tree.parent[1:], tree.token[1:], sampling)], prefixes)
     for path in ([3, 4], [9, 9, 9], []):
         assert prefixes.find([*prompt, *path]) is not None or not path
         requests = [GenRequest(prompt, 6, sampling, seed, path) for seed in range(8)]
@@ -167,3 +176,20 @@ def test_trie_reuse_is_the_exact_rules_default_unless_drafts_are_verified_in_dec
             None,
             ["rollout.spec.reuse=trie", "rollout.name=vllm", "rollout.spec.verify_mode=decoding"],
         )
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["float64", "float32"])
+def test_trie_rollouts_on_a_chat_like_policy_differ_only_at_float32_near_ties(dtype):
+    """A tiny policy shaped like a real chat model (a vocabulary of 4096, pad == eos == the end
+    of every turn inside the prompts, prompts of different lengths in one batch): in float64
+    the trie arm is vanilla token for token; in float32 every slot that differs first differs
+    where the uniform lies within float error of the boundary between the two tokens."""
+    engine = HFEngine(make_chat_like_model().to(dtype), [CHAT_EOS], CHAT_EOS)
+    prompts = chat_like_prompts(8)
+    assert len({len(p.ids) for p in prompts}) > 4 and all(CHAT_EOS in p.ids for p in prompts)
+    comparison = compare_trie_with_vanilla(engine, prompts, 8, SamplingParams(1.0), 24, 3)
+    assert comparison.tokens >= 4000 and comparison.reused >= 0.1 * comparison.tokens
+    for flip in comparison.flips:
+        assert flip.margin <= flip.float_error, flip
+    if dtype == torch.float64:
+        assert not comparison.flips
