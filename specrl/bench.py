@@ -3,7 +3,8 @@
 Arms: vanilla, spec (SPEC-RL: each slot verifies its own stored draft, `rollout.spec.reuse=slot`,
 with token-tree drafts for the decoded tokens where `rollout.spec.tree.enabled` says so, by
 default), trie (every slot walks its prompt's history trie, `reuse=trie`, always under the exact
-rule, its default unless drafts are verified in decoding; tree drafts as configured), spec-in-decoding (spec
+rule, its default unless drafts are verified in decoding; tree drafts as configured), trie+tree
+(history tries, and token-tree drafts for what is decoded whatever the config), spec-in-decoding (spec
 with `rollout.spec.verify_mode=decoding`: stored drafts verified inside decoding, exact rule), tree (specrl's token-tree drafts only), spec+tree (both, whatever the
 config), suffix (vLLM's own suffix decoding, `rollout.spec.tree.method=suffix`, no prefix reuse:
 the anchor on the vllm engine) and spec+suffix (prefix reuse verified in one pass before decoding, the
@@ -11,6 +12,11 @@ rest drafted by vLLM's suffix decoding); the default is vanilla, spec and trie, 
 picks others.
 `--seeds 1,2,3` trains every arm once per seed: one run's final accuracy on a small held-out set
 moves by a few points from seed to seed.
+
+Before the timed arms, an untimed warm-up run (`--warmup-steps` vanilla steps, into DIR/warmup)
+pays what the first training in a process pays once (on a GPU the CUDA context, the allocator's
+pools and the kernels' first launches made the first arm's first epoch 3-4x slower than the
+same work in later arms).
 
 Writes DIR/bench.json and DIR/bench.png. Speeds are totals over the whole run, measured with
 wall clocks around the rollout stage (verification included) and around whole steps.
@@ -23,6 +29,7 @@ import json
 import math
 import os
 import platform
+import time
 from collections.abc import Sequence
 from dataclasses import asdict
 from importlib import metadata
@@ -48,11 +55,13 @@ from specrl.trainer import Trainer
 SPECRL_TREES = {"tree.enabled": True, "tree.method": "specrl"}
 SUFFIX = {"tree.enabled": True, "tree.method": "suffix", "verify_mode": "full"}
 SLOT = {"enabled": True, "reuse": "slot"}
+# verify_mode only concerns slot drafts; full keeps vllm's resolved `decoding` off the walk
+TRIE = {"enabled": True, "acceptance": "exact", "reuse": "trie", "verify_mode": "full"}
 ARMS = {  # arm → what it sets under rollout.spec (the rest as configured)
     "vanilla": {"enabled": False, "tree.enabled": False},
     "spec": SLOT,
-    # verify_mode only concerns slot drafts; full keeps vllm's resolved `decoding` off the walk
-    "trie": {"enabled": True, "acceptance": "exact", "reuse": "trie", "verify_mode": "full"},
+    "trie": TRIE,
+    "trie+tree": {**TRIE, **SPECRL_TREES},
     "spec-in-decoding": {**SLOT, "verify_mode": "decoding", "tree.method": "specrl"},
     "tree": {"enabled": False, **SPECRL_TREES},
     "spec+tree": {**SLOT, **SPECRL_TREES},
@@ -62,6 +71,7 @@ ARMS = {  # arm → what it sets under rollout.spec (the rest as configured)
 
 
 DEFAULT_ARMS = ("vanilla", "spec", "trie")
+WARMUP_STEPS = 2  # untimed vanilla steps before the timed arms
 
 
 BENCH_PANELS = [
@@ -101,6 +111,7 @@ def run_bench(
     arms: Sequence[str] | None = None,
     seeds: Sequence[int] | None = None,
     log=print,
+    warmup_steps: int = WARMUP_STEPS,
 ) -> dict[str, Any]:
     """Every arm once per seed (default: the config's `trainer.seed`); with several seeds each
     seed's runs go to DIR/seed<N>/<arm> and bench.json pools them (see `summarize`). The arms
@@ -118,6 +129,7 @@ def run_bench(
     runs: dict[str, list[list[dict[str, float]]]] = {arm: [] for arm in arms}
     plotted: dict[str, list[dict[str, float]]] = {}
     load = {"start": _load_average()}  # the machine's load before and after each run
+    warmup = warm_up(cfg, out_dir / "warmup", warmup_steps, log) if warmup_steps else None
     shape = None
     order = {seed: [*arms[k % len(arms) :], *arms[: k % len(arms)]] for k, seed in enumerate(seeds)}
     for seed in seeds:
@@ -133,6 +145,7 @@ def run_bench(
             load[f"{arm} seed {seed}"] = _load_average()
     result = summarize(runs, cfg, seeds)
     result["arm_order"] = {str(seed): arms_run for seed, arms_run in order.items()}
+    result["warmup"] = warmup
     result["load_average"] = load
     result["warnings"] = timing_warnings(result, load, os.cpu_count() or 1)
     for warning in result["warnings"]:
@@ -152,6 +165,22 @@ def run_bench(
 
 
 EPOCH0_TOLERANCE = 0.15  # the arms' first epochs, the same work, may differ this much
+
+
+def warm_up(cfg: Config, out_dir: Path, steps: int, log) -> dict[str, Any]:
+    """An untimed vanilla run of `steps` steps (no evaluation, no checkpoint) with the bench's
+    config: what the first training in a process pays once is paid here, not by the first arm."""
+    warm = arm_config(cfg, "vanilla", cfg.trainer.seed, out_dir)
+    warm.trainer.output_dir = str(out_dir)
+    warm.trainer.total_training_steps = steps
+    warm.trainer.val_before_train = False
+    warm.trainer.test_freq = 0
+    warm.trainer.save_freq = 0
+    warm.trainer.logger = ["jsonl"]
+    log(f"bench: warming up with {steps} untimed vanilla steps into {out_dir}")
+    started = time.perf_counter()
+    Trainer(warm).fit()
+    return {"arm": "vanilla", "steps": steps, "seconds": time.perf_counter() - started}
 
 
 def timing_warnings(result: dict[str, Any], load: dict[str, list[float]], cores: int) -> list[str]:

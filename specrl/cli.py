@@ -24,7 +24,9 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "config":
             return _print_config(args.config, args.overrides)
         if args.command == "bench":
-            return _bench(args.config, args.out, args.arms, args.seeds, args.overrides)
+            return _bench(
+                args.config, args.out, args.arms, args.seeds, args.warmup_steps, args.overrides
+            )
         if args.command == "report":
             return _report(args.run_dir)
         if args.command == "project":
@@ -83,8 +85,13 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--out", default="bench", help="output directory (default: bench)")
     bench.add_argument(
         "--arms",
-        help="comma-separated arms: vanilla and any of spec, trie, spec-in-decoding, tree, "
-        "spec+tree, suffix, spec+suffix (default: vanilla,spec,trie)",
+        help="comma-separated arms: vanilla and any of spec, trie, trie+tree, spec-in-decoding, "
+        "tree, spec+tree, suffix, spec+suffix (default: vanilla,spec,trie)",
+    )
+    bench.add_argument(
+        "--warmup-steps",
+        type=int,
+        help="untimed vanilla steps before the timed arms, into OUT/warmup (default 2; 0: none)",
     )
     bench.add_argument(
         "--seeds",
@@ -222,16 +229,24 @@ def _print_config(config_path: str | None, overrides: list[str]) -> int:
 
 
 def _bench(
-    config_path: str | None, out: str, arms: str, seeds: str | None, overrides: list[str]
+    config_path: str | None,
+    out: str,
+    arms: str,
+    seeds: str | None,
+    warmup_steps: int | None,
+    overrides: list[str],
 ) -> int:
     import json
     from pathlib import Path
 
-    from specrl.bench import parse_arms, parse_seeds, run_bench
+    from specrl.bench import WARMUP_STEPS, parse_arms, parse_seeds, run_bench
 
     arm_names, seed_list = (parse_arms(arms) if arms else None), parse_seeds(seeds)
+    warmup_steps = WARMUP_STEPS if warmup_steps is None else warmup_steps
+    if warmup_steps < 0:
+        raise UserError(f"--warmup-steps {warmup_steps}: give 0 (no warm-up) or more steps")
     cfg = load_config(config_path, overrides, log=_note)
-    result = run_bench(cfg, Path(out), arm_names, seed_list)
+    result = run_bench(cfg, Path(out), arm_names, seed_list, warmup_steps=warmup_steps)
     print(json.dumps(result, indent=2))
     return 0
 

@@ -62,7 +62,7 @@ started=$(date +%s)
 policy=$("$python" -m specrl toy-policy --device "$device" "${build[@]}" | tail -n 1)
 echo "policy: $policy (built in $(($(date +%s) - started)) s)" | tee -a "$out/machine.txt"
 
-"$python" -m specrl bench --out "$out/bench" --arms vanilla,spec,trie,spec+tree \
+"$python" -m specrl bench --out "$out/bench" --arms vanilla,spec,trie,trie+tree,spec+tree \
   model.path="$policy" trainer.logger=[jsonl] "${run[@]}"
 "$python" -m specrl project "$out/bench" --device "$project_device" \
   --model "$policy/config.json" --stretch 1,20

@@ -23,6 +23,9 @@ def test_bench_trains_every_arm_and_writes_json_and_plot(tiny_policy_dir, tmp_pa
     result = run_bench(cfg, tmp_path / "bench", arms, log=lambda _: None)
     on_disk = json.loads((tmp_path / "bench" / "bench.json").read_text())
     assert on_disk == result
+    # an untimed warm-up ran first, apart from the arms
+    assert result["warmup"]["arm"] == "vanilla" and result["warmup"]["steps"] == 2
+    assert len(read_metrics(tmp_path / "bench" / "warmup")) == 2
     assert png_panels(tmp_path / "bench" / "bench.png") == 3  # four panels and the tree panel
     # the ratios are the spec arm's counts pooled over its steps, the first epoch's included
     spec_steps = read_metrics(tmp_path / "bench" / "spec")[1:]
@@ -53,6 +56,10 @@ def test_bench_trains_every_arm_and_writes_json_and_plot(tiny_policy_dir, tmp_pa
     assert arms["trie"]["final_acc"] == arms["vanilla"]["final_acc"]
     assert arms["trie"]["decoded_tokens"] < arms["vanilla"]["decoded_tokens"]
     assert arms["trie"]["trie_nodes_per_step"] > 0 and arms["vanilla"]["trie_nodes_per_step"] == 0
+    # trie+tree: the same tokens as the trie arm, what is decoded drafted from token trees
+    assert arms["trie+tree"]["decoded_tokens"] == arms["trie"]["decoded_tokens"]
+    assert arms["trie+tree"]["final_acc"] == arms["vanilla"]["final_acc"]
+    assert arms["trie+tree"]["accepted_draft_tokens"] > 0
     assert 0 < arms["trie"]["reused_token_ratio_per_epoch"]["1"] <= 1
     # the vanilla arm never reads the store; the spec arm starts reusing once prompts repeat
     vanilla = [
@@ -68,7 +75,9 @@ def test_arms_are_checked(capsys, tmp_path):
         parse_arms("vanilla,fast")
     assert main(["bench", "--arms", "spec,tree"]) == 2
     err = capsys.readouterr().err
-    assert "give vanilla and at least one of spec, trie, spec-in-decoding, tree, spec+tree" in err
+    assert "give vanilla and at least one of spec, trie, trie+tree, spec-in-decoding, tree" in err
+    assert main(["bench", "--warmup-steps", "-1"]) == 2
+    assert "--warmup-steps -1: give 0 (no warm-up) or more steps" in capsys.readouterr().err
     lenient = load_config(None, ["rollout.spec.acceptance=specrl"])
     with pytest.raises(UserError, match=r"--arms spec-in-decoding: invalid config: rollout\.spec"):
         run_bench(lenient, tmp_path, ("vanilla", "spec", "spec-in-decoding"))  # before training
@@ -85,7 +94,9 @@ def test_bench_pools_seeds(tiny_policy_dir, tmp_path):
         tiny_policy_dir, tmp_path / "unused", "data.train_size=8", "trainer.total_training_steps=3",
         "trainer.save_freq=0", "trainer.test_freq=3",
     )  # fmt: skip
-    result = run_bench(cfg, tmp_path / "bench", ("vanilla", "spec"), [3, 4], log=lambda _: None)
+    result = run_bench(
+        cfg, tmp_path / "bench", ("vanilla", "spec"), [3, 4], log=lambda _: None, warmup_steps=0
+    )
     assert result["seeds"] == [3, 4] and result["steps"] == 3
     assert result["arm_order"] == {"3": ["vanilla", "spec"], "4": ["spec", "vanilla"]}
     for arm in ("vanilla", "spec"):
