@@ -35,7 +35,7 @@ from specrl.data import PromptLoader, format_prompts, read_splits, tokenize_spli
 from specrl.distributed.learner import LearnerGroup
 from specrl.distributed.rollout import RolloutWorkers
 from specrl.engines import SamplingParams
-from specrl.engines.build import build_engine, logprobs_are_the_trainers
+from specrl.engines.build import build_engine, engine_kind, logprobs_are_the_trainers
 from specrl.episodes.env import load_environment
 from specrl.episodes.runner import EpisodeLoop, EpisodeStage
 from specrl.errors import UserError
@@ -126,9 +126,10 @@ class Run:
         """The policy's weights to the engine, for the rollouts of the next step: → the bytes
         that travel (in-process hf: 0, the model is shared; with LoRA the adapters, or for vLLM
         the merged weights)."""
-        weights = rollout_weights(self.actor.policy, self.cfg.rollout.name)
+        kind = engine_kind(self.cfg.rollout.name)
+        weights = rollout_weights(self.actor.policy, kind.lora_adapters)
         self.rollouts.load_weights(weights, self.global_step + 1)
-        shared = self.cfg.rollout.name == "hf" and not self.cfg.rollout.num_workers
+        shared = kind.shares_policy and not self.cfg.rollout.num_workers
         return 0 if shared else state_bytes(weights)
 
 

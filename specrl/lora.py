@@ -127,13 +127,13 @@ def merged_state(model: peft.PeftModel) -> dict[str, torch.Tensor]:
     return merged
 
 
-def rollout_weights(model: torch.nn.Module, engine: str) -> dict[str, torch.Tensor]:
-    """What a rollout engine loads after an update: `trained_weights` for the transformers
-    engine (with LoRA its model carries the same adapters: only they travel); for vLLM the
-    merged weights of base + adapters (measured against vLLM's own LoRA serving in
-    docs/lora.md)."""
+def rollout_weights(model: torch.nn.Module, adapters: bool) -> dict[str, torch.Tensor]:
+    """What a rollout engine loads after an update: `trained_weights` for an engine whose model
+    carries the same adapters (`adapters`, the transformers engine: with LoRA only they travel);
+    else the merged weights of base + adapters (vLLM: measured against vLLM's own LoRA serving
+    in docs/lora.md)."""
     adapted = peft_model(model)
-    if engine == "vllm" and adapted is not None:
+    if not adapters and adapted is not None:
         return merged_state(adapted)
     return trained_weights(model)
 

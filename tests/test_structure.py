@@ -72,3 +72,20 @@ def test_the_design_doc_module_map_names_every_module():
         and not (p.name in words and f"{p.parent.relative_to(PACKAGE).as_posix()}/" in words)
     ]
     assert missing == []
+
+
+def test_engines_are_known_by_name_only_in_config_and_engines():
+    """Outside specrl/config (where the user's string is read) and specrl/engines (the registry
+    that builds one and says what each is: `EngineKind`), code asks what an engine can do, never
+    which one it is."""
+    import re
+
+    by_name = re.compile(r"""rollout\.name\s*[!=]=|[!=]=\s*["'](hf|vllm)["']""")
+    outside = [
+        f"{where(path)}:{number}"
+        for path in MODULES
+        if not where(path).startswith(("config/", "engines/"))
+        for number, line in enumerate(path.read_text().splitlines(), start=1)
+        if by_name.search(line)
+    ]
+    assert outside == []

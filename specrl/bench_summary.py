@@ -1,0 +1,185 @@
+"""The figures of a finished `specrl bench`: every arm's speed, reuse and accuracy against the
+vanilla arm's, pooled over seeds (`summarize`, what bench.json holds)."""
+
+from __future__ import annotations
+
+import math
+import platform
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from specrl.config import Config
+from specrl.engines.build import describe_engine
+from specrl.run_dir import heldout_metric
+from specrl.speculative.stats import RolloutStats
+
+
+def summarize(
+    runs: dict[str, list[list[dict[str, float]]]], cfg: Config, seeds: Sequence[int]
+) -> dict[str, Any]:
+    """The SPEC-RL comparison (spec against vanilla) at the top level when the spec arm ran, and
+    every arm's speed and accuracy under `arms`. `runs` holds each arm's history per seed: times
+    and token counts are totals over all seeds (summed `RolloutStats`), final accuracies the
+    mean over seeds (each seed's under `arms.<arm>.final_acc_per_seed`) of the held-out figure
+    named by `heldout_metric`: accuracy where the reward states it, else the reward."""
+    steps = {arm: [m for h in hs for m in _train_steps(h)] for arm, hs in runs.items()}
+    totals = {arm: RolloutStats.of_steps(s) for arm, s in steps.items()}
+    heldout, _ = heldout_metric([m for hs in runs.values() for h in hs for m in h])
+    final = {arm: [_last(h, heldout) for h in hs] for arm, hs in runs.items()}
+    step_time = {arm: _total(s, "timing_s/step") for arm, s in steps.items()}
+    result: dict[str, Any] = {}
+    if "spec" in steps:
+        result.update(_spec_rl(steps["spec"], totals, step_time))
+        result["final_acc_vanilla"] = _mean(final["vanilla"])
+        result["final_acc_spec"] = _mean(final["spec"])
+    result["arms"] = {}
+    vanilla = totals["vanilla"]
+    decode_s = vanilla.gen_s / max(vanilla.decoded_tokens, 1)  # vanilla's seconds per token
+    for arm, total in totals.items():
+        a = total.ratios()["spec/reused_token_ratio"]
+        # r_eff: seconds of verification (the verification pass, or the trie pass and walk) per
+        # reused token, over vanilla's seconds per decoded token (none where nothing was reused)
+        reused = total.reused_tokens
+        r_eff = total.verify_s / reused / decode_s if reused else None
+        per_step = len(steps[arm]) or 1
+        summary = {
+            "rollout_time_s": total.rollout_s,
+            "step_time_s": step_time[arm],
+            "rollout_speedup": totals["vanilla"].rollout_s / total.rollout_s,
+            # epoch 0 has nothing to reuse: the same work in every arm, a check of the machine
+            "epoch0_rollout_s": _total(_epochs(steps[arm], 0, 0), "timing_s/rollout"),
+            "rollout_speedup_after_epoch0": _total(_epochs(steps["vanilla"], 1), "timing_s/rollout")
+            / max(_total(_epochs(steps[arm], 1), "timing_s/rollout"), 1e-9),
+            "step_speedup": step_time["vanilla"] / step_time[arm],
+            "final_acc": _mean(final[arm]),
+            "final_acc_per_seed": final[arm],
+            "second_half_acc": _mean([_second_half(h, heldout) for h in runs[arm]]),
+            "response_tokens": total.response_tokens,
+            "decoded_tokens": total.decoded_tokens,
+            "decoded_token_ratio": total.decoded_tokens / max(vanilla.decoded_tokens, 1),
+            "reused_token_ratio": a,
+            "reused_token_ratio_per_epoch": _per_epoch(steps[arm]),
+            "verified_tokens_per_step": total.verified_tokens / per_step,
+            "trie_nodes_per_step": total.trie_nodes / per_step,
+            "verify_cost_per_reused_token": r_eff,
+            "limit_speedup": 1.0 / ((1.0 - a) + (r_eff or 0.0) * a),
+            "slowest_slot_forwards_per_step": total.slowest_forwards / per_step,
+            "engine_time_s": total.engine_s,
+            "perf": total.compute.metrics(),  # the engine's forwards, summed over the steps
+        }
+        if "spec" in totals and arm != "spec":
+            summary["rollout_speedup_vs_spec"] = totals["spec"].rollout_s / total.rollout_s
+        if total.decode_drafts:
+            ratios = total.ratios()
+            summary["tokens_per_forward"] = ratios["spec/decode_drafts/tokens_per_forward"]
+            summary["drafted_tokens"] = total.drafted_tokens
+            summary["accepted_draft_tokens"] = total.accepted_draft_tokens
+            summary["accept_rate"] = ratios["spec/decode_drafts/accept_rate"]
+            summary["mean_width"] = ratios["spec/decode_drafts/mean_width"]
+            summary["tree_nodes_max"] = max(m.get("spec/tree/nodes", 0) for m in steps[arm])
+        summary.update(_episodes(steps[arm]))
+        result["arms"][arm] = summary
+    result.update(
+        heldout_metric=heldout,
+        steps=len(steps["vanilla"]) // len(seeds),
+        seeds=list(seeds),
+        acceptance=cfg.rollout.spec.acceptance,
+        log_lenience=cfg.rollout.spec.log_lenience,
+        verify_mode=cfg.rollout.spec.verify_mode,
+        rollout_is=cfg.algorithm.rollout_correction.rollout_is,
+        tree=cfg.rollout.spec.tree.model_dump(),
+        engine=describe_engine(cfg.rollout.name),
+        machine=f"{platform.machine()} {platform.processor() or ''} "
+        f"{torch.get_num_threads()} threads".strip(),
+        device=torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+    )
+    return result
+
+
+def _spec_rl(
+    s_steps: list[dict[str, float]],
+    totals: dict[str, RolloutStats],
+    step_time: dict[str, float],
+) -> dict[str, Any]:
+    vanilla, spec = totals["vanilla"], totals["spec"]
+    # r: seconds per verified token (spec arm) over seconds per decoded token (vanilla arm)
+    r = (spec.verify_s / max(spec.verified_tokens, 1)) / (
+        vanilla.gen_s / max(vanilla.decoded_tokens, 1)
+    )
+    a = spec.ratios()["spec/reused_token_ratio"]
+    later = RolloutStats.of_steps([m for m in s_steps if m["training/epoch"] >= 1]).ratios()
+    return {
+        "rollout_speedup": vanilla.rollout_s / spec.rollout_s,
+        "step_speedup": step_time["vanilla"] / step_time["spec"],
+        "reused_token_ratio": later["spec/reused_token_ratio"],
+        "reused_token_ratio_all_steps": a,
+        "full_reuse_ratio": later["spec/full_reuse_ratio"],
+        "verified_token_ratio": spec.ratios()["spec/verified_token_ratio"],
+        "verify_cost_ratio": r,
+        "limit_speedup": 1.0 / ((1.0 - a) + r * a),
+        "rollout_time_s": {"vanilla": vanilla.rollout_s, "spec": spec.rollout_s},
+        "step_time_s": {"vanilla": step_time["vanilla"], "spec": step_time["spec"]},
+        "decoded_tokens": {"vanilla": vanilla.decoded_tokens, "spec": spec.decoded_tokens},
+    }
+
+
+def _episodes(steps: list[dict[str, float]]) -> dict[str, Any]:
+    """Multi-turn runs: turns per episode, the environment's seconds (inside the rollout time)
+    and, in speculative arms, the reused token ratio of each turn."""
+    if not any("num_turns/mean" in m for m in steps):
+        return {}
+    out: dict[str, Any] = {
+        "num_turns_mean": _total(steps, "num_turns/mean") / len(steps),
+        "env_time_s": _total(steps, "timing_s/env"),
+    }
+    suffix = "/response_tokens"
+    turns = sorted(
+        {int(k.split("/")[1].removeprefix("turn_")) for m in steps for k in m
+         if k.startswith("spec/turn_") and k.endswith(suffix)}
+    )  # fmt: skip
+    if turns:
+        out["reused_token_ratio_per_turn"] = {
+            t: _total(steps, f"spec/turn_{t}/reused_tokens")
+            / max(_total(steps, f"spec/turn_{t}{suffix}"), 1.0)
+            for t in turns
+        }
+    return out
+
+
+def _epochs(steps: list[dict[str, float]], first: int, last: float = math.inf) -> list[dict]:
+    """The steps of epochs `first` to `last`."""
+    return [m for m in steps if first <= m["training/epoch"] <= last]
+
+
+def _per_epoch(steps: list[dict[str, float]]) -> dict[str, float]:
+    """The reused token ratio of each epoch ("0": the first, which has nothing to reuse)."""
+    epochs = sorted({int(m["training/epoch"]) for m in steps})
+    return {
+        str(e): RolloutStats.of_steps(_epochs(steps, e, e)).ratios()["spec/reused_token_ratio"]
+        for e in epochs
+    }
+
+
+def _second_half(history: list[dict[str, float]], key: str) -> float | None:
+    """The mean of `key` over the evaluations of a run's second half (its last step's included)."""
+    last = max(m["training/global_step"] for m in history)
+    values = [m[key] for m in history if key in m and 2 * m["training/global_step"] > last]
+    return sum(values) / len(values) if values else None
+
+
+def _train_steps(history: list[dict[str, float]]) -> list[dict[str, float]]:
+    return [m for m in history if m["training/global_step"] > 0]
+
+
+def _total(steps: list[dict[str, float]], key: str) -> float:
+    return float(sum(m.get(key, 0.0) for m in steps))
+
+
+def _mean(values: Sequence[float | None]) -> float | None:
+    return None if None in values else sum(values) / len(values)  # type: ignore[arg-type]
+
+
+def _last(history: list[dict[str, float]], key: str) -> float | None:
+    return next((m[key] for m in reversed(history) if key in m), None)
