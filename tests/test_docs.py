@@ -96,3 +96,45 @@ def test_the_design_page_names_every_module():
 
 def test_the_readme_is_short():
     assert len((ROOT / "README.md").read_text().splitlines()) <= 250
+
+
+# The README's results table and the bench it quotes: each row's figures read back from the
+# committed bench.json, so a rerun that changes a figure fails here until the README says so.
+RESULTS_BENCH = "benchmarks/cpu-hf-noisy-facts-trie-3seeds-hostcut"
+RESULTS_COLUMNS = [  # (key in bench.json's arms.<arm>, how the README prints it)
+    ("rollout_time_s", "{:.1f} s"),
+    ("rollout_speedup", "{:.2f}x"),
+    ("rollout_speedup_after_epoch0", "({:.2f}x)"),
+    ("step_speedup", "{:.2f}x"),
+    ("decoded_token_ratio", "{:.2f}"),
+    ("verified_tokens_per_step", "{:,.0f}"),
+    ("final_acc", "{:.3f}"),
+]
+
+
+def test_the_readme_results_table_is_its_bench_json():
+    import json
+
+    readme = (ROOT / "README.md").read_text()
+    assert f"`{RESULTS_BENCH}`" in readme
+    arms = json.loads((ROOT / RESULTS_BENCH / "bench.json").read_text())["arms"]
+    rows = {
+        cells[0]: cells[1:]
+        for line in readme.splitlines()
+        if line.startswith("| ") and (cells := [c.strip() for c in line.strip("|").split("|")])
+        and cells[0] in arms
+    }  # fmt: skip
+    assert set(rows) == set(arms)
+    for arm, cells in rows.items():
+        words = " ".join(cells).replace(",", "")
+        for key, form in RESULTS_COLUMNS:
+            assert form.format(arms[arm][key]).replace(",", "") in words, (arm, key, cells)
+
+
+def test_every_benchmark_folder_the_docs_name_exists():
+    named = {
+        match
+        for page in [*PAGES, ROOT / "benchmarks" / "README.md"]
+        for match in re.findall(r"`benchmarks/([\w.+-]+)", page.read_text())
+    }
+    assert named and [name for name in named if not (ROOT / "benchmarks" / name).exists()] == []
