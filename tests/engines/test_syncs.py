@@ -1,0 +1,93 @@
+"""Host-device syncs of the transformers engine, counted on the CPU: on a GPU each one stalls the
+host until the device catches up, so the decode loop may sync a constant number of times per
+forward, never once per sequence or per trie node. A `TorchDispatchMode` counts the dispatches
+that force a sync on a GPU (`_local_scalar_dense`: `.item()`, `int()`, `bool()`; `nonzero`;
+indexing with a boolean mask; `masked_select`); `Tensor.tolist`, which copies to the host
+without a dispatch on the CPU, is counted by wrapping it."""
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from specrl.config import SpecConfig
+from specrl.engines import GenRequest, SamplingParams
+from specrl.engines.hf import HFEngine
+from specrl.speculative.stage import SpeculativeStage
+from specrl.types import Example, Prompt
+from tests.conftest import PAD, make_tiny_model
+
+SYNCING = {
+    "aten._local_scalar_dense.default", "aten.item.default", "aten.nonzero.default",
+    "aten.masked_select.default",
+}  # fmt: skip
+NEVER = 999  # an end-of-sequence id the model cannot sample: every request runs its budget
+
+
+class SyncCount(TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.syncs = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = str(func)
+        masked = name == "aten.index.Tensor" and any(
+            isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in args[1] or ()
+        )
+        self.syncs += name in SYNCING or masked
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.fixture
+def counted(monkeypatch):
+    """→ count(call) = (dispatches that sync, tolist calls) while `call` runs."""
+    tolist = torch.Tensor.tolist
+    calls = [0]
+
+    def counting(self):
+        calls[0] += 1
+        return tolist(self)
+
+    monkeypatch.setattr(torch.Tensor, "tolist", counting)
+
+    def count(call):
+        calls[0] = 0
+        with SyncCount() as mode:
+            call()
+        return mode.syncs, calls[0]
+
+    return count
+
+
+def test_plain_decoding_syncs_per_forward_whatever_the_batch(counted):
+    engine = HFEngine(make_tiny_model(), [NEVER], PAD)
+
+    def decode(batch: int) -> None:
+        engine.generate(
+            [GenRequest([2, 3, 4 + i % 5], 10, SamplingParams(1.0), seed=i) for i in range(batch)]
+        )
+
+    small, large = counted(lambda: decode(4)), counted(lambda: decode(32))
+    assert small == large  # the same 10 forwards: not a sync more for 8x the sequences
+    syncs, tolists = small
+    assert syncs <= 10 * 8 and tolists <= 10 * 10  # measured: 65 and 80 over 10 forwards
+
+
+def test_a_trie_step_syncs_per_forward_not_per_slot_or_node(counted):
+    """A speculative step (history tries walked, the rest decoded with tree drafts) of 2 and of
+    16 prompts: the syncs grow with the step's forwards, not with its slots or trie nodes."""
+    per_forward = []
+    for count in (2, 16):
+        prompts = [Prompt((2, 3, 4 + i % 7, 5 + i % 3), Example(f"p{i}", "", "t")) for i in range(count)]  # fmt: skip
+        engine = HFEngine(make_tiny_model(init=0.5), [NEVER], PAD)
+        cfg = SpecConfig(enabled=True, acceptance="exact", reuse="trie")
+        stage = SpeculativeStage(engine, SamplingParams(1.0), 10, cfg)
+        stage(prompts, 4, (1, 0, 0), 0)
+        out = []
+        syncs, tolists = counted(lambda: out.append(stage(prompts, 4, (1, 1, 0), 1)))  # noqa: B023
+        stats = out[0][1]
+        forwards = stats.compute.decode_forwards + stats.compute.verify_forwards
+        assert stats.trie_nodes > 0 and stats.reused_tokens > 0
+        per_forward.append((syncs / forwards, tolists / forwards))
+    # measured: 6.3 and 8.9 syncs, 9.3 and 10.2 tolist calls per forward (2 and 16 prompts: more
+    # rows leave the batch at different forwards, and the larger step drafts from its trees)
+    assert all(syncs <= 12 and tolists <= 14 for syncs, tolists in per_forward), per_forward
