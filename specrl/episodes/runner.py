@@ -317,7 +317,8 @@ class EpisodeStage:
             return self.stage.rollout(requests, seed_key, policy_version)
 
         record = self.record if self.stage.cfg.enabled else None
-        return self.loop.run(prompts, n, turn, policy_version, record, self.stage.walks)
+        every_turn = self.stage.reuse.every_turn_reuses
+        return self.loop.run(prompts, n, turn, policy_version, record, every_turn)
 
     def state_dict(self) -> dict[str, Any]:
         return {"stage": self.stage.state_dict(), "record": self.record.state_dict()}

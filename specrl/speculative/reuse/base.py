@@ -20,6 +20,9 @@ class Reuse:
 
     # stored drafts are verified inside decoding: the engine's results count them
     drafts_in_decoding: bool = False
+    # what a slot reuses is verified under its own context (a trie pass), so every turn of an
+    # episode may reuse, not only turns whose earlier observations agree with its stored draft's
+    every_turn_reuses: bool = False
 
     def before_decoding(
         self, slots: list[Slot], seed_key: tuple, prefixes: Prefixes | None, stats: RolloutStats

@@ -23,6 +23,8 @@ from specrl.types import FinishReason
 class TrieReuse(Reuse):
     """Slots walk their prompt's history trie (the stage's token trees)."""
 
+    every_turn_reuses = True
+
     def __init__(self, engine: RolloutEngine, tree: TokenTree, sampling: SamplingParams) -> None:
         self.engine = engine
         self.tree = tree
