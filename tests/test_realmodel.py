@@ -158,7 +158,7 @@ def test_smollm2_trie_rollouts_leave_vanilla_only_at_float32_near_ties(smollm2_p
     comparison = compare_trie_with_vanilla(
         smollm2_engine(model, tokenizer), prompts, 8, sampling, 32, rounds=3
     )
-    assert comparison.tokens >= 1200 and comparison.reused > 0, comparison.summary()
+    assert comparison.tokens >= 1000 and comparison.reused > 0, comparison.summary()
     for flip in comparison.flips:
         assert flip.margin <= flip.float_error, flip
     assert comparison.flip_rate <= FLIP_RATE_BOUND, comparison.summary()
