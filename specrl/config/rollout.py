@@ -59,7 +59,7 @@ class SpecConfig(Section):
     reuse: Literal["auto", "trie", "slot"] = Field(
         "auto",
         description="what a slot reuses. trie: every slot walks its prompt's history trie (the "
-        "responses of all slots over the last tree.window rollouts, scored in one pass), "
+        "responses of all slots over the last tree.window rollouts, verified in one pass), "
         "sampling each token as vanilla decoding would (exact rule only); slot: its own stored "
         "draft (SPEC-RL). auto: trie under the exact rule unless verify_mode is decoding (vllm's "
         "auto), else slot",

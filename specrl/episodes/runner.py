@@ -7,7 +7,7 @@ An episode alternates sampled turns and environment observations (env.py) in one
 (obs_0 is what the environment's reset returned, often nothing). Each turn of the live episodes
 is one call of the speculative stage, whose `Prompt` is the context so far keyed
 `<prompt id>/turn<t>`: the stage keeps a token tree per turn, the history trie every turn walks
-under `reuse=trie` (scored under the turn's own context, so any turn may walk it). Under
+under `reuse=trie` (verified under the turn's own context, so any turn may walk it). Under
 `reuse=slot` it keeps, per (prompt, slot), each turn of the last episode as that turn's draft,
 and `ObservationRecord` makes a stored turn a draft only while every observation before it
 equals the stored episode's: once the environment answers differently, the rest of the stored
@@ -211,7 +211,7 @@ class EpisodeLoop:
     ) -> tuple[list[Rollout], EpisodeStats]:
         """n episodes per prompt (prompt-major) → their rollouts and stats. With a `record`,
         stored turns are drafts while the observations agree, and the record is updated; with
-        `every_turn_reuses` (history tries, scored under each turn's own context) every turn
+        `every_turn_reuses` (history tries, verified under each turn's own context) every turn
         may reuse."""
         stats = EpisodeStats()
         start = time.perf_counter()
