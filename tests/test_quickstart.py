@@ -11,6 +11,7 @@ import sys
 from dataclasses import asdict
 
 import pytest
+from filelock import FileLock
 
 from specrl.toy_policy import (
     SHIPPED,
@@ -88,15 +89,22 @@ def test_a_build_runs_once_for_concurrent_processes_and_is_cached(tmp_path):
         f"print(ensure_toy_policy(ToyPolicySpec(**{asdict(spec)!r})))"
     )
     env = {**os.environ, "SPECRL_CACHE": str(tmp_path)}
+    path = tmp_path / f"toy-policy-{spec.key()}"
+    # both processes start while the build's lock is held here, so both wait for it (on a busy
+    # machine the second could otherwise start after the first finished, and find it cached)
+    held = FileLock(path.with_name(path.name + ".lock"))
+    held.acquire()
     processes = [
         subprocess.Popen([sys.executable, "-c", build], env=env, stdout=subprocess.PIPE, text=True)
         for _ in range(2)
     ]
-    logs = [p.communicate()[0] for p in processes]
+    waiting = [p.stdout.readline() for p in processes]
+    held.release()
+    logs = [line + p.communicate()[0] for line, p in zip(waiting, processes, strict=True)]
     assert all(p.returncode == 0 for p in processes), logs
+    assert all(line.startswith("waiting for another process's build") for line in waiting), logs
     assert sum("building the tiny policy" in log for log in logs) == 1, logs
     assert sum("the other process built it" in log for log in logs) == 1, logs
-    path = tmp_path / f"toy-policy-{spec.key()}"
     assert {log.strip().splitlines()[-1] for log in logs} == {str(path)}
     report = json.loads((path / "build.json").read_text())
     assert report["spec"] == asdict(spec) and report["weights_sha256"] == weights_digest(path)
