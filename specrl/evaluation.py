@@ -65,6 +65,7 @@ def evaluate(
         metrics["val/acc/mean@1"] = float(np.mean(acc))
     if episodes is not None:
         metrics["val/num_turns/mean"] = turns / len(rollouts)
+    shown = zip(rollouts[:generations], scores.texts, scores.reward, strict=False)
     samples = [
         {
             "prompt": tokenizer.decode(r.prompt.ids, skip_special_tokens=False),
@@ -72,6 +73,6 @@ def evaluate(
             "ground_truth": r.prompt.example.ground_truth,
             "score": score,
         }
-        for r, text, score in zip(rollouts, scores.texts, scores.reward, strict=True)
+        for r, text, score in shown
     ]
-    return Evaluation(metrics, samples[:generations])
+    return Evaluation(metrics, samples)

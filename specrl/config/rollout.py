@@ -78,7 +78,7 @@ class SpecConfig(Section):
 
     def walks_tries(self, trie_verification: bool) -> bool:
         """Whether slots walk their prompts' history tries, on an engine that does (or not)
-        score tries: `reuse` as set, auto resolved."""
+        verify tries: `reuse` as set, auto resolved."""
         if not self.enabled:
             return False
         if self.reuse != "auto":

@@ -83,7 +83,7 @@ class Config(Section):
             on_vllm = self.rollout.name == "vllm" and spec.acceptance == "exact"
             slot_drafts = spec.tree.method == "specrl" and spec.reuse != "trie"
             spec.verify_mode = "decoding" if on_vllm and slot_drafts else "full"
-        if spec.reuse == "auto":  # both built-in engines score tries
+        if spec.reuse == "auto":  # both built-in engines verify tries
             spec.reuse = "trie" if spec.walks_tries(trie_verification=True) else "slot"
         return self
 

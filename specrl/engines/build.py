@@ -24,9 +24,8 @@ class EngineKind:
     module imports vllm; a weight sync is decided where no engine lives). What an engine can do
     once built is its `Capabilities`."""
 
-    shares_policy: (
-        bool  # in the trainer's process it wraps the trainer's model: a sync moves nothing
-    )
+    # in the trainer's process it wraps the trainer's model: a weight sync moves nothing
+    shares_policy: bool
     lora_adapters: bool  # its model carries LoRA adapters: a sync sends only them (else merged)
     nccl_weight_sync: bool  # takes weights broadcast over NCCL from the trainer's GPU
     timed_forwards: bool  # times and counts its forwards as the cost model prices them

@@ -44,7 +44,7 @@ class HFEngine:
     logits_budget = 2**26  # most logits one trie pass computes (256 MB in float32)
     padding_slack = 0.25  # a verification forward computes at most this much padding
     # a trie forward's tree attention mask is dense, [W, W] per row: padding costs it more
-    # (verification recorded tries of the default task: 0.1 took 11% less time than 0.25)
+    # (verifying recorded tries of the default task: 0.1 took 11% less time than 0.25)
     trie_padding_slack = 0.1
 
     def __init__(
