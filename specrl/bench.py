@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from specrl.assemble import trainer_device
-from specrl.bench_summary import summarize
+from specrl.bench_summary import WINDOW_STEPS, summarize, window_lines
 from specrl.config import Config, ConfigError, validated
 from specrl.cost_model import ModelShape
 from specrl.engines.build import engine_kind
@@ -107,6 +107,7 @@ def run_bench(
     seeds: Sequence[int] | None = None,
     log=print,
     warmup_steps: int = WARMUP_STEPS,
+    window: int = WINDOW_STEPS,
 ) -> dict[str, Any]:
     """Every arm once per seed (default: the config's `trainer.seed`); with several seeds each
     seed's runs go to DIR/seed<N>/<arm> and bench.json pools them (see `summarize`). The arms
@@ -138,11 +139,13 @@ def run_bench(
             runs[arm].append(trainer.tracker.history)
             plotted[arm if len(seeds) == 1 else f"{arm} seed {seed}"] = trainer.tracker.history
             load[f"{arm} seed {seed}"] = _load_average()
-    result = summarize(runs, cfg, seeds)
+    result = summarize(runs, cfg, seeds, window)
     result["arm_order"] = {str(seed): arms_run for seed, arms_run in order.items()}
     result["warmup"] = warmup
     result["load_average"] = load
     result["warnings"] = timing_warnings(result, load, os.cpu_count() or 1)
+    for line in window_lines(result):
+        log(f"bench: {line}")
     for warning in result["warnings"]:
         log(f"bench: warning: {warning}")
     result["model_shape"] = asdict(shape)

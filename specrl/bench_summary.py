@@ -15,15 +15,21 @@ from specrl.engines.build import describe_engine
 from specrl.run_dir import heldout_metric
 from specrl.speculative.stats import RolloutStats
 
+WINDOW_STEPS = 8  # steps per window of the per-window figures
+
 
 def summarize(
-    runs: dict[str, list[list[dict[str, float]]]], cfg: Config, seeds: Sequence[int]
+    runs: dict[str, list[list[dict[str, float]]]],
+    cfg: Config,
+    seeds: Sequence[int],
+    window: int = WINDOW_STEPS,
 ) -> dict[str, Any]:
     """The SPEC-RL comparison (spec against vanilla) at the top level when the spec arm ran, and
     every arm's speed and accuracy under `arms`. `runs` holds each arm's history per seed: times
     and token counts are totals over all seeds (summed `RolloutStats`), final accuracies the
     mean over seeds (each seed's under `arms.<arm>.final_acc_per_seed`) of the held-out figure
-    named by `heldout_metric`: accuracy where the reward states it, else the reward."""
+    named by `heldout_metric`: accuracy where the reward states it, else the reward. Each arm's
+    `windows` give the same figures per `window` steps (every seed's steps of the window)."""
     steps = {arm: [m for h in hs for m in _train_steps(h)] for arm, hs in runs.items()}
     totals = {arm: RolloutStats.of_steps(s) for arm, s in steps.items()}
     heldout, _ = heldout_metric([m for hs in runs.values() for h in hs for m in h])
@@ -79,6 +85,7 @@ def summarize(
             summary["accept_rate"] = ratios["spec/decode_drafts/accept_rate"]
             summary["mean_width"] = ratios["spec/decode_drafts/mean_width"]
             summary["tree_nodes_max"] = max(m.get("spec/tree/nodes", 0) for m in steps[arm])
+        summary["windows"] = _windows(steps[arm], steps["vanilla"], window)
         summary.update(_episodes(steps[arm]))
         result["arms"][arm] = summary
     result.update(
@@ -146,6 +153,54 @@ def _episodes(steps: list[dict[str, float]]) -> dict[str, Any]:
             for t in turns
         }
     return out
+
+
+def _windows(
+    steps: list[dict[str, float]], vanilla: list[dict[str, float]], window: int
+) -> list[dict[str, Any]]:
+    """Per `window` steps: rollout seconds (and vanilla's over the same steps), reuse, and the
+    trie's nodes stored, verified and prompts skipped per step (the budget's decisions)."""
+    last = int(max((m["training/global_step"] for m in steps), default=0))
+    out = []
+    for first in range(1, last + 1, window):
+        end = min(first + window - 1, last)
+        mine = [m for m in steps if first <= m["training/global_step"] <= end]
+        theirs = [m for m in vanilla if first <= m["training/global_step"] <= end]
+        total = RolloutStats.of_steps(mine)
+        rollout_s = _total(mine, "timing_s/rollout")
+        out.append(
+            {
+                "steps": f"{first}-{end}",
+                "rollout_s": rollout_s,
+                "vanilla_rollout_s": _total(theirs, "timing_s/rollout"),
+                "rollout_speedup": _total(theirs, "timing_s/rollout") / max(rollout_s, 1e-9),
+                "reused_token_ratio": total.ratios()["spec/reused_token_ratio"],
+                "response_tokens_per_step": total.response_tokens / max(len(mine), 1),
+                "trie_nodes_stored_per_step": total.trie_nodes_stored / max(len(mine), 1),
+                "trie_nodes_per_step": total.trie_nodes / max(len(mine), 1),
+                "trie_prompts_skipped": total.trie_prompts_skipped,
+                "trie_expected_tokens": total.trie_expected_tokens,
+                "reused_tokens": total.reused_tokens,
+            }
+        )
+    return out
+
+
+def window_lines(result: dict[str, Any]) -> list[str]:
+    """The per-window figures of every speculative arm, as table rows."""
+    lines = []
+    for arm, summary in result["arms"].items():
+        if arm == "vanilla":
+            continue
+        for w in summary["windows"]:
+            lines.append(
+                f"{arm} steps {w['steps']}: rollouts {w['rollout_s']:.1f} s vs vanilla's "
+                f"{w['vanilla_rollout_s']:.1f} s ({w['rollout_speedup']:.2f}x), reuse "
+                f"{w['reused_token_ratio']:.3f}, trie nodes verified/stored per step "
+                f"{w['trie_nodes_per_step']:.0f}/{w['trie_nodes_stored_per_step']:.0f}, "
+                f"prompts skipped {w['trie_prompts_skipped']}"
+            )
+    return lines
 
 
 def _epochs(steps: list[dict[str, float]], first: int, last: float = math.inf) -> list[dict]:

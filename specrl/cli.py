@@ -25,7 +25,13 @@ def main(argv: list[str] | None = None) -> int:
             return _print_config(args.config, args.overrides)
         if args.command == "bench":
             return _bench(
-                args.config, args.out, args.arms, args.seeds, args.warmup_steps, args.overrides
+                args.config,
+                args.out,
+                args.arms,
+                args.seeds,
+                args.warmup_steps,
+                args.window,
+                args.overrides,
             )
         if args.command == "report":
             return _report(args.run_dir)
@@ -92,6 +98,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--warmup-steps",
         type=int,
         help="untimed vanilla steps before the timed arms, into OUT/warmup (default 2; 0: none)",
+    )
+    bench.add_argument(
+        "--window",
+        type=int,
+        default=8,
+        help="steps per window of the per-window figures in bench.json (default 8)",
     )
     bench.add_argument(
         "--seeds",
@@ -234,6 +246,7 @@ def _bench(
     arms: str,
     seeds: str | None,
     warmup_steps: int | None,
+    window: int,
     overrides: list[str],
 ) -> int:
     import json
@@ -245,8 +258,12 @@ def _bench(
     warmup_steps = WARMUP_STEPS if warmup_steps is None else warmup_steps
     if warmup_steps < 0:
         raise UserError(f"--warmup-steps {warmup_steps}: give 0 (no warm-up) or more steps")
+    if window < 1:
+        raise UserError(f"--window {window}: give a number of steps, 1 or more")
     cfg = load_config(config_path, overrides, log=_note)
-    result = run_bench(cfg, Path(out), arm_names, seed_list, warmup_steps=warmup_steps)
+    result = run_bench(
+        cfg, Path(out), arm_names, seed_list, warmup_steps=warmup_steps, window=window
+    )
     print(json.dumps(result, indent=2))
     return 0
 

@@ -71,6 +71,13 @@ class SpecConfig(Section):
         "inside decoding (exact rule only); auto: decoding on rollout.name=vllm under the exact "
         "rule with tree.method=specrl and reuse not trie (measured faster there), else full",
     )
+    verify_budget: bool = Field(
+        True,
+        description="reuse=trie: verify only the nodes of a prompt's history trie whose expected "
+        "saving (slots expected to reach them x the measured seconds of a decoded token) exceeds "
+        "their measured cost; a pruned node is where a walk leaves the trie, so the rollouts are "
+        "the same. false: verify every node",
+    )
     verify_chunk_size: int = Field(
         16, ge=1, description="draft tokens per pass in chunked verification"
     )

@@ -49,6 +49,9 @@ class RolloutStats:
     tree_evicted_nodes: int = 0
     trie_nodes: int = 0  # history-trie nodes verified (reuse=trie)
     trie_prompts: int = 0  # tries verified: prompts (or turn contexts) with a history
+    trie_prompts_skipped: int = 0  # prompts with a history where no node paid its verification
+    trie_nodes_stored: int = 0  # nodes of the tries of prompts with walkers (verified or not)
+    trie_expected_tokens: float = 0.0  # reused tokens the budget expected of the nodes verified
     slowest_forwards: int = 0  # Σ over calls of the most decode forwards one slot took
     verify_s: float = 0.0
     gen_s: float = 0.0
@@ -69,6 +72,10 @@ class RolloutStats:
     tree_nodes: int = field(default=0, metadata=GAUGE)
     tree_prompts: int = field(default=0, metadata=GAUGE)
     accept_rate_estimate: float = field(default=0.0, metadata=GAUGE)
+    # the trie budget's fitted seconds per verified position and per decoded token, its drift ρ
+    trie_node_cost_s: float = field(default=0.0, metadata=GAUGE)
+    trie_token_cost_s: float = field(default=0.0, metadata=GAUGE)
+    trie_drift: float = field(default=0.0, metadata=GAUGE)
     compute: ForwardCounts = field(default_factory=ForwardCounts)  # the engine's forwards
 
     def __add__(self, other: RolloutStats) -> RolloutStats:
@@ -270,6 +277,12 @@ METRIC_NAMES = {
     "tree_evicted_nodes": "spec/tree/evicted_nodes",
     "trie_nodes": "spec/trie/nodes",
     "trie_prompts": "spec/trie/prompts",
+    "trie_prompts_skipped": "spec/trie/prompts_skipped",
+    "trie_nodes_stored": "spec/trie/nodes_stored",
+    "trie_expected_tokens": "spec/trie/expected_tokens",
+    "trie_node_cost_s": "timing_s/trie_node_cost",
+    "trie_token_cost_s": "timing_s/trie_token_cost",
+    "trie_drift": "spec/trie/drift",
     "slowest_forwards": "perf/slowest_slot_forwards",
     "verify_s": "timing_s/verify",
     "gen_s": "timing_s/gen",

@@ -11,6 +11,7 @@ from specrl.config import ConfigError, SpecConfig, load_config
 from specrl.engines import GREEDY, GenRequest, LogprobRequest, SamplingParams, TrieRequest
 from specrl.engines.hf import HFEngine
 from specrl.rollouts import sample_rollouts
+from specrl.speculative.reuse.budget import TrieBudget
 from specrl.speculative.stage import SpeculativeStage
 from specrl.speculative.tree import PromptTree
 from specrl.types import Example, Prompt
@@ -117,6 +118,90 @@ def test_trie_rollouts_are_vanilla_rollouts_token_for_token(toy_run, sampling):
     assert tokens >= 20_000, tokens
     assert agree >= (1.0 if sampling.greedy else 0.999) * tokens, (agree, tokens)
     assert reused >= 0.3 * tokens  # the trie is used: 3 of 4 rounds have a history
+
+
+class Prices(TrieBudget):
+    """A budget at fixed prices (seconds per verified position and per decoded token), so that
+    what it prunes does not depend on this machine's speed; its drift is still fitted."""
+
+    def __init__(self, node_cost: float, token_cost: float) -> None:
+        super().__init__()
+        self.prices = node_cost, token_cost
+
+    @property
+    def node_cost(self) -> float:
+        return self.prices[0]
+
+    @property
+    def token_cost(self) -> float:
+        return self.prices[1]
+
+
+def test_the_budget_verifies_the_nodes_enough_walkers_are_expected_to_reach():
+    """E[walkers reaching v] = W · ρ^depth · count[v] / count[root]; v is verified when that
+    times the token's cost exceeds the node's. A subtree: every parent of a verified node is."""
+    tree = trie_of(RESPONSES)  # 5 responses: [3] 4 times, [3, 4] 3 times, [3, 4, 5] twice
+    path = [tree.children[0][3]]
+    path += [tree.children[path[-1]][4], tree.children[tree.children[path[-1]][4]][5]]
+    assert TrieBudget().select(tree, 4).nodes == list(range(1, tree.nodes + 1))  # costs unknown
+    budget = TrieBudget()
+    budget.observe_verify(1.0, 1)
+    budget.observe_decode(1.0, 1)
+    selection = budget.select(tree, 4)
+    assert selection.nodes == path  # 4 · count / 5 > 1: the nodes two or more responses share
+    assert selection.expected_tokens == pytest.approx(4 * (4 + 3 + 2) / 5)
+    budget.observe_walks(1.0, 4.0)  # one move taken of four predicted: ρ = (1 + 1) / (4 + 1)
+    assert budget.drift == pytest.approx(0.4)
+    assert budget.select(tree, 4).nodes == path[:1]  # 4 · 0.4 · 4/5 > 1 > 4 · 0.16 · 3/5
+    for _ in range(30):  # nothing verified for a while: the evidence decays, ρ returns to 1
+        budget.observe_walks(0.0, 0.0)
+    assert budget.drift > 0.99 and budget.select(tree, 4).nodes == path
+    assert TrieBudget(enabled=False).select(tree, 1).nodes == list(range(1, tree.nodes + 1))
+
+
+@pytest.mark.parametrize("token_cost", [0.4, 1e-6], ids=["pruned", "nothing-pays"])
+def test_a_pruned_trie_keeps_the_rollouts_vanilla_token_for_token(toy_run, token_cost):
+    """Where the budget verifies part of a trie (or none of it: then no trie pass runs at all),
+    a walk leaves at the first pruned node and decoding draws the same token there."""
+    prompts, weights, model, eos = toy_run
+    engine = HFEngine(model, eos, PAD)
+    stage = trie_stage(engine, RUN_SAMPLINGS["t1"], 72)
+    stage.reuse.budget = Prices(node_cost=1.0, token_cost=token_cost)
+    tokens = agree = reused = scored = stored = skipped = verify_forwards = 0
+    for step, state in enumerate(weights, start=1):
+        engine.load_weights(state)
+        key = (1, step, 0)
+        before = engine.counts.verify_forwards
+        trie, stats = stage(prompts, 8, key, step)
+        verify_forwards += engine.counts.verify_forwards - before
+        vanilla = sample_rollouts(engine, prompts, 8, RUN_SAMPLINGS["t1"], 72, key, step)
+        for a, b in zip(trie, vanilla, strict=True):
+            tokens += max(len(a.token_ids), len(b.token_ids))
+            agree += sum(x == y for x, y in zip(a.token_ids, b.token_ids, strict=False))
+        reused, scored = reused + stats.reused_tokens, scored + stats.trie_nodes
+        stored, skipped = stored + stats.trie_nodes_stored, skipped + stats.trie_prompts_skipped
+    assert agree >= 0.999 * tokens, (agree, tokens)
+    if token_cost < 1e-3:
+        assert (reused, scored, verify_forwards) == (0, 0, 0)
+        assert skipped == 3 * len(prompts)  # every prompt of the three rounds with a history
+    else:
+        assert 0 < scored < 0.5 * stored and reused >= 0.2 * tokens
+
+
+def test_a_pruned_trie_keeps_the_rollouts_distributed_as_the_policy():
+    """The adversarial history of the test above, its rare nodes pruned: chi-square, p > 1e-3."""
+    vocab, max_len, n = 5, 3, 20_000
+    prompt = Prompt((2, 3), Example("p", "", "test"))
+    target, drafter = target_and_drafter(vocab, n)
+    stage = trie_stage(target, SAMPLING, max_len)
+    # 20k walkers: a node pays when 20k · count / 64 > 1000, when 4 or more responses share it
+    stage.reuse.budget = Prices(node_cost=1.0, token_cost=1e-3)
+    history = sample_rollouts(drafter, [prompt], 64, SAMPLING, max_len, ("history",), 0)
+    stage.tree.begin(prompt.prompt_id)
+    stage.tree.insert_all((prompt.prompt_id, r.token_ids) for r in history)
+    rollouts, stats = stage([prompt], n, ("trie",), 1)
+    assert 0 < stats.trie_nodes < stats.trie_nodes_stored and stats.reused_tokens > 0
+    assert distribution_pvalue(target, prompt, rollouts, vocab, max_len) > 1e-3
 
 
 @pytest.fixture(scope="module")

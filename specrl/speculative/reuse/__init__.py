@@ -1,8 +1,9 @@
 """The ways a slot reuses history, one class each, chosen once per stage from the config and the
 engine's capabilities (`reuse_strategy`):
 
-- `trie` (`TrieReuse`, trie.py): each prompt's history trie verified in one pass, every slot walked
-  down it with vanilla decoding's uniforms (the exact rule's default);
+- `trie` (`TrieReuse`, trie.py): each prompt's history trie verified in one pass, as far as it
+  pays (`TrieBudget`, budget.py), every slot walked down it with vanilla decoding's uniforms (the
+  exact rule's default);
 - `slot` (`SlotReuse`, slot.py): each slot's stored draft verified in one pass (or in chunks) and
   cut by the acceptance rule (SPEC-RL);
 - `slot-in-decoding` (`SlotReuseInDecoding`, slot.py): each slot's stored draft verified inside
@@ -20,6 +21,7 @@ from specrl.errors import UserError
 from specrl.speculative.acceptance import AcceptanceRule
 from specrl.speculative.prompt_state import PromptState
 from specrl.speculative.reuse.base import Reuse
+from specrl.speculative.reuse.budget import TrieBudget
 from specrl.speculative.reuse.slot import SlotReuse, SlotReuseInDecoding
 from specrl.speculative.reuse.trie import TrieReuse
 
@@ -48,7 +50,7 @@ def reuse_strategy(
                 "rollout.spec.reuse=trie needs an engine that verifies tries (hf, vllm); "
                 "use rollout.spec.reuse=slot on this engine"
             )
-        return TrieReuse(engine, prompts.tree, sampling)
+        return TrieReuse(engine, prompts.tree, sampling, TrieBudget(cfg.verify_budget))
     if cfg.verify_mode == "decoding":
         if not capabilities.draft_decoding:
             raise UserError(

@@ -36,8 +36,18 @@ class Reuse:
         drafts, or none."""
         return trees
 
-    def after_decoding(self, slots: list[Slot], results: dict[int, GenResult]) -> None:
-        """What decoding settled (drafts verified inside it): nothing here."""
+    def after_decoding(
+        self, slots: list[Slot], results: dict[int, GenResult], stats: RolloutStats
+    ) -> None:
+        """What decoding settled (drafts verified inside it; `stats` holds its seconds):
+        nothing here."""
 
     def keep(self, rollouts: Sequence[Rollout]) -> None:
         """Keep what later calls reuse beyond the token trees: nothing here."""
+
+    def state_dict(self) -> dict:
+        """What the strategy learned that a resumed run keeps: nothing here."""
+        return {}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Take back what `state_dict` gave."""

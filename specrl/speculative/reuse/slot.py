@@ -139,7 +139,9 @@ class SlotReuseInDecoding(StoredDraftReuse):
             return None
         return StoredDrafts([None if d is None else d.token_ids[:b] for d, b in drafts], trees)
 
-    def after_decoding(self, slots: list[Slot], results: dict[int, GenResult]) -> None:
+    def after_decoding(
+        self, slots: list[Slot], results: dict[int, GenResult], stats: RolloutStats
+    ) -> None:
         """Split each drafted slot's result at the end of the draft prefix it kept."""
         for i, r in results.items():
             s = slots[i]

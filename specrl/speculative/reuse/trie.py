@@ -7,13 +7,22 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-from specrl.engines import Prefixes, RolloutEngine, SamplingParams, TrieLogprobs, TrieRequest
+from specrl.engines import (
+    GenResult,
+    Prefixes,
+    RolloutEngine,
+    SamplingParams,
+    TrieLogprobs,
+    TrieRequest,
+)
 from specrl.engines.sampling import seeded_uniform
 from specrl.speculative.reuse.base import Reuse
+from specrl.speculative.reuse.budget import TrieBudget
 from specrl.speculative.slots import Reused, Slot
 from specrl.speculative.stats import RolloutStats
 from specrl.speculative.tree import ROOT, PromptTree, TokenTree
@@ -21,21 +30,29 @@ from specrl.types import FinishReason
 
 
 class TrieReuse(Reuse):
-    """Slots walk their prompt's history trie (the stage's token trees)."""
+    """Slots walk their prompt's history trie (the stage's token trees), verified as far as
+    `budget` finds it pays."""
 
     every_turn_reuses = True
 
-    def __init__(self, engine: RolloutEngine, tree: TokenTree, sampling: SamplingParams) -> None:
+    def __init__(
+        self,
+        engine: RolloutEngine,
+        tree: TokenTree,
+        sampling: SamplingParams,
+        budget: TrieBudget,
+    ) -> None:
         self.engine = engine
         self.tree = tree
         self.sampling = sampling
+        self.budget = budget
 
     def before_decoding(
         self, slots: list[Slot], seed_key: tuple, prefixes: Prefixes | None, stats: RolloutStats
     ) -> None:
-        """Score the history trie of every prompt (context) with slots that may reuse, in one
-        pass, and walk each such slot down it, with the uniforms of its seed at its response
-        positions: what vanilla decoding would draw there."""
+        """Verify the part of the history trie that pays of every prompt (context) with slots
+        that may reuse, in one pass, and walk each such slot down it, with the uniforms of its
+        seed at its response positions: what vanilla decoding would draw there."""
         started = time.perf_counter()
         walkers = [
             i
@@ -49,62 +66,123 @@ class TrieReuse(Reuse):
         groups: dict[tuple, list[int]] = {}  # (prompt id, context) → its walkers (rows below)
         for row, i in enumerate(walkers):
             groups.setdefault((slots[i].prompt.prompt_id, slots[i].prompt.ids), []).append(row)
-        trees = [self.tree.get(prompt_id) for prompt_id, _ in groups]
-        requests = [
-            TrieRequest(ids, tree.parent[1:], tree.token[1:], self.sampling)
-            for (_, ids), tree in zip(groups, trees, strict=True)
-        ]
+        tries = []  # (context, tree, its selection, rows) of the prompts verified
+        for (prompt_id, ids), rows in groups.items():
+            tree = self.tree.get(prompt_id)
+            stats.trie_nodes_stored += tree.nodes
+            selection = self.budget.select(tree, len(rows))
+            if selection.nodes:
+                tries.append((ids, tree, selection, rows))
+            else:
+                stats.trie_prompts_skipped += 1
+        if not tries:
+            self.budget.observe_walks(0.0, 0.0)
+            stats.verify_s += time.perf_counter() - started
+            return
+        requests = [_request(ids, tree, sel.nodes, self.sampling) for ids, tree, sel, _ in tries]
+        verify_started = time.perf_counter()
         verified = stats.timed(self.engine.verify_tries, requests, prefixes)
+        positions = sum(len(r.prompt_ids) + len(r.tokens) for r in requests)
+        self.budget.observe_verify(time.perf_counter() - verify_started, positions)
+        scored = sum(len(r.tokens) for r in requests)
         stats.trie_prompts += len(requests)
-        stats.trie_nodes += sum(len(r.tokens) for r in requests)
-        stats.verified_tokens += sum(len(r.tokens) for r in requests)
+        stats.trie_nodes += scored
+        stats.verified_tokens += scored
+        stats.trie_expected_tokens += sum(sel.expected_tokens for _, _, sel, _ in tries)
         seeds = torch.tensor([slots[i].seed for i in walkers])[:, None]
         first = torch.tensor([len(slots[i].prompt.ids) for i in walkers])[:, None]
         positions = first + torch.arange(max(slots[i].budget for i in walkers))[None, :]
         uniforms = seeded_uniform(seeds.expand_as(positions), positions).numpy()  # [S, R]
         eos = self.engine.eos_token_ids
-        for rows, tree, trie in zip(groups.values(), trees, verified, strict=True):
+        moves = predicted = 0.0
+        for (_, tree, selection, rows), trie in zip(tries, verified, strict=True):
             walking = [slots[walkers[row]] for row in rows]
-            walks = walk_trie(tree, trie, uniforms[rows], [s.budget for s in walking], eos)
-            for s, walked in zip(walking, walks, strict=True):
+            budgets = [s.budget for s in walking]
+            walks = walk_trie(tree, selection.nodes, trie, uniforms[rows], budgets, eos)
+            for s, walked in zip(walking, walks.reused, strict=True):
                 s.reused = walked
+            moves, predicted = moves + walks.moves, predicted + walks.predicted_moves
+        self.budget.observe_walks(moves, predicted)
         stats.verify_s += time.perf_counter() - started
+
+    def after_decoding(
+        self, slots: list[Slot], results: dict[int, GenResult], stats: RolloutStats
+    ) -> None:
+        """What decoding cost per token: the budget's price of a token not reused."""
+        self.budget.observe_decode(stats.gen_s, sum(len(r.token_ids) for r in results.values()))
+        stats.trie_node_cost_s = self.budget.node_cost or 0.0
+        stats.trie_token_cost_s = self.budget.token_cost or 0.0
+        stats.trie_drift = self.budget.drift
+
+    def state_dict(self) -> dict:
+        return self.budget.state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        self.budget.load_state_dict(state)
+
+
+def _request(
+    prompt_ids: tuple[int, ...], tree: PromptTree, nodes: list[int], sampling: SamplingParams
+) -> TrieRequest:
+    """The trie of `nodes` (tree ids, parents first; their ancestors among them) as the engine
+    takes it: node i of the request is nodes[i - 1]."""
+    index = {ROOT: 0} | {v: i for i, v in enumerate(nodes, start=1)}
+    parents = [index[tree.parent[v]] for v in nodes]
+    return TrieRequest(prompt_ids, parents, [tree.token[v] for v in nodes], sampling)
+
+
+@dataclass
+class Walks:
+    """The walks of a prompt's slots, and the evidence on the budget's drift they give: moves
+    taken, and moves predicted (Σ over the nodes where a walk stood before verified children of
+    the share of the node's earlier responses that went on to one of them)."""
+
+    reused: list[Reused]
+    moves: int
+    predicted_moves: float
 
 
 def walk_trie(
     tree: PromptTree,
+    nodes: Sequence[int],
     trie: TrieLogprobs,
     uniforms: np.ndarray,
     budgets: Sequence[int],
     eos_token_ids: frozenset[int],
-) -> list[Reused]:
-    """The walks of a prompt's slots down its verified trie, one per row of `uniforms`
-    [S, most budget] (a slot's uniforms at its response positions; `budgets`: its most tokens).
-    At response position t a slot takes the child of its node whose interval holds its uniform
-    for t, scaled by the node's total, and moves down; where no child's does it leaves the trie.
-    With coupled logprobs that is the token vanilla decoding would draw there, and decoding draws
-    that same token next; otherwise the next token is drawn from the residual without the
-    node's children."""
+) -> Walks:
+    """The walks of a prompt's slots down its trie, verified at `nodes` (tree ids: `trie`'s
+    node i is nodes[i - 1]), one per row of `uniforms` [S, most budget] (a slot's uniforms at its
+    response positions; `budgets`: its most tokens). At response position t a slot takes the
+    verified child of its node whose interval holds its uniform for t, scaled by the node's total,
+    and moves down; where no verified child's does it leaves the trie. With coupled logprobs that
+    is the token vanilla decoding would draw there, and decoding draws that same token next;
+    otherwise the next token is drawn from the residual without the node's verified children."""
     # Python floats: a walk indexes them token by token (the same float64 arithmetic)
     low, high, total = trie.low.tolist(), trie.high.tolist(), trie.total.tolist()
     current = trie.logprobs.tolist()
-    walks = []
+    index = {ROOT: 0} | {v: i for i, v in enumerate(nodes, start=1)}
+    walks, moves, predicted = [], 0, 0.0
     for slot_uniforms, budget in zip(uniforms.tolist(), budgets, strict=True):
         node, tokens, logprobs = ROOT, [], []
         finish: FinishReason | None = "length"
         excluded: tuple[int, ...] = ()
         while len(tokens) < budget:
-            target = slot_uniforms[len(tokens)] * total[node]
-            children = tree.children[node]
-            child = next((c for c in children.values() if low[c] < target <= high[c]), None)
+            at = index[node]
+            children = [(t, c) for t, c in tree.children[node].items() if c in index]
+            if children:
+                predicted += sum(tree.count[c] for _, c in children) / tree.count[node]
+            target = slot_uniforms[len(tokens)] * total[at]
+            child = next((c for _, c in children if low[index[c]] < target <= high[index[c]]), None)
             if child is None:
-                finish, excluded = None, () if trie.coupled else tuple(children)
+                finish = None
+                excluded = () if trie.coupled else tuple(t for t, _ in children)
                 break
+            moves += 1
             node = child
             tokens.append(tree.token[node])
-            logprobs.append(current[node])
+            logprobs.append(current[index[node]])
             if tree.token[node] in eos_token_ids:
                 finish = "stop"
                 break
         walks.append(Reused(tokens, logprobs, finish, excluded))
-    return walks
+    return Walks(walks, moves, predicted)

@@ -1,0 +1,108 @@
+"""`TrieBudget`: which nodes of a prompt's history trie are worth verifying.
+
+Verifying node v costs one position of a trie pass (c_node seconds); it saves one decoded token
+(c_token seconds) for every slot whose walk reaches v. The walk follows the current policy, and
+the trie already holds an estimate of where it goes: the responses of earlier rollouts, sampled by
+earlier policies. A walker at node u moves to child c with probability ≈ ρ · count[c] / count[u]
+(the share of u's earlier responses that went on to c), where ρ ≤ 1, the drift, is fitted online
+from the walks themselves (how often a walker that stood at a node with verified children moved
+to one of them, against what the counts predicted). Down a path the factors telescope:
+
+    E[walkers reaching v] = W · ρ^depth(v) · count[v] / count[root]        (W: the prompt's walkers)
+
+v is verified when that times c_token exceeds c_node. The rule keeps a subtree: along a path the
+count never grows and ρ ≤ 1, so a node that pays has parents that pay. A pruned child is where a
+walk leaves the trie, and decoding goes on from there with the slot's own uniforms: the rollouts
+are the same tokens (or, off the transformers engine, the same distribution) as without a budget.
+
+Both costs are measured on the engine's own calls, as wall seconds: c_node is a trie pass's
+seconds per position it computed (prompt and nodes: a pass prefills its prompts, which decoding
+then reuses), c_token a decoding call's seconds per token it produced. c_token is the average
+cost, so where a decode forward costs about the same for one row as for many (a launch-bound
+GPU) it overstates what one reused token saves. All evidence decays by `decay` per call, and ρ's
+prior of one predicted move taken pulls it back to 1 where nothing was verified lately: a run that
+stopped verifying (early RL, the policy far from its history) tries again later, on the nodes
+near the roots first. Until both costs have been measured every node is verified.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from specrl.speculative.tree import ROOT, PromptTree
+
+
+@dataclass
+class Selection:
+    """The nodes of one trie chosen for verification (tree ids, parents first, root excluded)
+    and the reused tokens their verification is expected to bring."""
+
+    nodes: list[int]
+    expected_tokens: float
+
+
+class TrieBudget:
+    def __init__(self, enabled: bool = True, decay: float = 0.8) -> None:
+        self.enabled = enabled
+        self.decay = decay
+        # decayed sums: [seconds, positions] of trie passes, [seconds, tokens] of decoding,
+        # [moves taken, moves predicted] of walks
+        self._verify = np.zeros(2)
+        self._decode = np.zeros(2)
+        self._moves = np.zeros(2)
+
+    @property
+    def node_cost(self) -> float | None:
+        """Seconds a trie pass spends per position (None: not measured yet)."""
+        return self._verify[0] / self._verify[1] if self._verify[1] > 0 else None
+
+    @property
+    def token_cost(self) -> float | None:
+        """Seconds decoding spends per token produced (None: not measured yet)."""
+        return self._decode[0] / self._decode[1] if self._decode[1] > 0 else None
+
+    @property
+    def drift(self) -> float:
+        """ρ: the walks' moves taken per move the trie's counts predicted (at most 1)."""
+        return min(1.0, (self._moves[0] + 1.0) / (self._moves[1] + 1.0))
+
+    def select(self, tree: PromptTree, walkers: int) -> Selection:
+        """The nodes of `tree` worth verifying for `walkers` slots (all of them while the costs
+        are unknown, or with the budget off)."""
+        count = np.asarray(tree.count, dtype=np.float64)
+        parent = tree.parent
+        depth = np.zeros(len(count))
+        for v in range(1, len(count)):  # parents come before their children
+            depth[v] = depth[parent[v]] + 1
+        reach = walkers * self.drift**depth * count / count[ROOT]
+        reach[ROOT] = 0.0
+        node_cost, token_cost = self.node_cost, self.token_cost
+        if not self.enabled or node_cost is None or token_cost is None:
+            nodes = np.arange(1, len(count))
+        else:
+            nodes = np.flatnonzero(reach * token_cost > node_cost)
+        return Selection(nodes.tolist(), float(reach[nodes].sum()))
+
+    def observe_verify(self, seconds: float, positions: int) -> None:
+        self._verify = self.decay * self._verify + (seconds, positions)
+
+    def observe_decode(self, seconds: float, tokens: int) -> None:
+        if tokens:
+            self._decode = self.decay * self._decode + (seconds, tokens)
+
+    def observe_walks(self, moves: float, predicted: float) -> None:
+        self._moves = self.decay * self._moves + (moves, predicted)
+
+    def state_dict(self) -> dict[str, list[float]]:
+        return {
+            "verify": self._verify.tolist(),
+            "decode": self._decode.tolist(),
+            "moves": self._moves.tolist(),
+        }
+
+    def load_state_dict(self, state: dict[str, list[float]]) -> None:
+        self._verify = np.array(state["verify"])
+        self._decode = np.array(state["decode"])
+        self._moves = np.array(state["moves"])
