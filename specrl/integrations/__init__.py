@@ -1,0 +1,1 @@
+"""specrl inside other trainers: `trl` (TRL's GRPOTrainer, `rollout_func`)."""
