@@ -56,13 +56,15 @@ def held_out_accuracy(model, tokenizer, val) -> float:
     from specrl.types import Example, Prompt
 
     engine = HFEngine(model, [tokenizer.eos_token_id], tokenizer.pad_token_id)
+    texts, truths, sources = (
+        list(val[column]) for column in ("prompt", "ground_truth", "data_source")
+    )
     prompts = [
         Prompt(tuple(ids), Example(text, truth, source))
         for ids, text, truth, source in zip(
-            tokenizer(text=val["prompt"])["input_ids"], val["prompt"], val["ground_truth"],
-            val["data_source"], strict=True,
+            tokenizer(text=texts)["input_ids"], texts, truths, sources, strict=True
         )
-    ]  # fmt: skip
+    ]
     training = model.training
     model.eval()
     with torch.no_grad():

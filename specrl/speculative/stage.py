@@ -74,13 +74,15 @@ class SpeculativeStage:
         self.prompts = PromptState(
             TokenTree(cfg.tree.window, cfg.tree.max_nodes) if wants_tree else None
         )
-        self.reuse = reuse_strategy(cfg, engine, self.rule, self.prompts, sampling)
+        self.draft_width = DraftWidth(
+            cfg.tree.max_draft_tokens, cfg.tree.adaptive, capabilities.ragged_drafts
+        )
+        self.reuse = reuse_strategy(
+            cfg, engine, self.rule, self.prompts, sampling, self.draft_width
+        )
         # the engine's results count drafts: specrl's (trees, stored drafts) or the engine's own
         self.counts_drafts = (
             self.tree_drafts or self.reuse.drafts_in_decoding or capabilities.own_drafts
-        )
-        self.draft_width = DraftWidth(
-            cfg.tree.max_draft_tokens, cfg.tree.adaptive, capabilities.ragged_drafts
         )
 
     @property

@@ -72,9 +72,11 @@ class RolloutStats:
     tree_nodes: int = field(default=0, metadata=GAUGE)
     tree_prompts: int = field(default=0, metadata=GAUGE)
     accept_rate_estimate: float = field(default=0.0, metadata=GAUGE)
-    # the trie budget's fitted seconds per verified position and per decoded token, its drift ρ
+    # the trie budget's fitted seconds per verified position, per decoded token (decoding's
+    # average) and per row of a decode forward, and its drift ρ
     trie_node_cost_s: float = field(default=0.0, metadata=GAUGE)
     trie_token_cost_s: float = field(default=0.0, metadata=GAUGE)
+    trie_row_cost_s: float = field(default=0.0, metadata=GAUGE)
     trie_drift: float = field(default=0.0, metadata=GAUGE)
     compute: ForwardCounts = field(default_factory=ForwardCounts)  # the engine's forwards
 
@@ -282,6 +284,7 @@ METRIC_NAMES = {
     "trie_expected_tokens": "spec/trie/expected_tokens",
     "trie_node_cost_s": "timing_s/trie_node_cost",
     "trie_token_cost_s": "timing_s/trie_token_cost",
+    "trie_row_cost_s": "timing_s/trie_row_cost",
     "trie_drift": "spec/trie/drift",
     "slowest_forwards": "perf/slowest_slot_forwards",
     "verify_s": "timing_s/verify",

@@ -158,6 +158,30 @@ def test_identical_score_requests_are_computed_once(engine, tiny_model):
     assert torch.allclose(scored[0][1:], scored[1], atol=1e-5)
 
 
+def test_a_prompts_slots_share_one_prefill(engine, tiny_model):
+    """n slots of a prompt (GRPO's group) prefill its context once; each slot decodes as it
+    would alone."""
+    prefill_rows = []
+    hook = tiny_model.model.register_forward_hook(
+        lambda m, args, kwargs, out: prefill_rows.append(kwargs["input_ids"].shape),
+        with_kwargs=True,
+    )
+    requests = [
+        GenRequest(p, 8, SamplingParams(1.0), seed=s) for p in PROMPTS[:2] for s in range(4)
+    ]
+    before = engine.counts.prefill_positions
+    together = engine.generate(requests)
+    hook.remove()
+    assert prefill_rows[0][0] == 2  # one row per distinct context
+    assert engine.counts.prefill_positions - before == len(PROMPTS[0]) - 1 + len(PROMPTS[1]) - 1
+    for request, result in zip(requests, together, strict=True):
+        [alone] = engine.generate([request])
+        assert result.token_ids == alone.token_ids
+        assert torch.allclose(
+            torch.tensor(result.logprobs), torch.tensor(alone.logprobs), atol=1e-5
+        )
+
+
 def test_sequences_of_similar_widths_share_a_forward():
     widths = [10, 100, 9, 90, 8, 95, 30]
     keys = [(i,) for i in range(len(widths))]

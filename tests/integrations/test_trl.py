@@ -9,9 +9,9 @@ from specrl.config import SpecConfig
 from specrl.errors import UserError
 
 pytest.importorskip("trl", reason="trl is not installed (pip install 'specrl[trl]')")
-from trl import GRPOConfig, GRPOTrainer  # noqa: E402
+from trl import GRPOConfig, GRPOTrainer
 
-from specrl.integrations.trl import SpeculativeRollouts, builtin_task  # noqa: E402
+from specrl.integrations.trl import SpeculativeRollouts, builtin_task
 
 pytestmark = pytest.mark.trl
 
@@ -58,7 +58,9 @@ def test_grpo_trainer_trains_with_speculative_rollouts_reused_from_the_second_ep
     assert rollouts.stats.reused_tokens > 0
     for out in rollouts.outputs:
         assert len(out["prompt_ids"]) == len(out["completion_ids"]) == len(out["logprobs"]) == 16
-        assert all(len(c) == len(lp) for c, lp in zip(out["completion_ids"], out["logprobs"]))
+        assert all(
+            len(c) == len(lp) for c, lp in zip(out["completion_ids"], out["logprobs"], strict=True)
+        )
 
 
 def test_speculation_off_samples_the_same_completions(tmp_path):
@@ -75,12 +77,12 @@ def test_what_the_rollout_function_cannot_do_is_refused_in_one_line(tmp_path, mo
     with pytest.raises(UserError, match="TRL's loss applies no importance weights"):
         SpeculativeRollouts(SpecConfig(acceptance="specrl"))
     trainer = grpo_trainer(tmp_path, SpeculativeRollouts(), repetition_penalty=1.1)
-    with pytest.raises(UserError, match="does not support repetition_penalty=1.1"):
+    with pytest.raises(UserError, match=r"does not support repetition_penalty=1\.1"):
         trainer.train()
     rollouts = SpeculativeRollouts()
     trainer = grpo_trainer(tmp_path, rollouts)
     trainer.use_vllm = True  # what GRPOConfig(use_vllm=True) sets (it needs vllm installed)
-    with pytest.raises(UserError, match="does not support use_vllm=True"):
+    with pytest.raises(UserError, match=r"does not support use_vllm=True"):
         rollouts(["12+34="], trainer)
     monkeypatch.setitem(sys.modules, "trl", None)
     with pytest.raises(UserError, match=r"pip install 'specrl\[trl\]'"):

@@ -11,6 +11,7 @@ from specrl.config import ConfigError, SpecConfig, load_config
 from specrl.engines import GREEDY, GenRequest, LogprobRequest, SamplingParams, TrieRequest
 from specrl.engines.hf import HFEngine
 from specrl.rollouts import sample_rollouts
+from specrl.speculative.drafting import DraftWidth
 from specrl.speculative.reuse.budget import TrieBudget
 from specrl.speculative.stage import SpeculativeStage
 from specrl.speculative.tree import PromptTree
@@ -132,8 +133,7 @@ class Prices(TrieBudget):
     def node_cost(self) -> float:
         return self.prices[0]
 
-    @property
-    def token_cost(self) -> float:
+    def token_cost(self, reuse: float) -> float:
         return self.prices[1]
 
 
@@ -157,6 +157,22 @@ def test_the_budget_verifies_the_nodes_enough_walkers_are_expected_to_reach():
         budget.observe_walks(0.0, 0.0)
     assert budget.drift > 0.99 and budget.select(tree, 4).nodes == path
     assert TrieBudget(enabled=False).select(tree, 1).nodes == list(range(1, tree.nodes + 1))
+
+
+def test_a_reused_token_saves_a_row_and_the_share_of_forwards_reuse_removes():
+    """c_token = cs + (a − cs) · r: one row of decode forwards (cs, fitted to the forwards as
+    c0 + cs · rows), and as much of the average a as the expected reuse r shortens the loop."""
+    width = DraftWidth(4)
+    for rows in range(2, 34, 4):
+        width.observe_forward(rows, rows, 0.1 + 0.01 * rows)  # c0 = 0.1 s, cs = 0.01 s
+    budget = TrieBudget(width=width)
+    assert budget.token_cost(0.5) is None  # decoding not measured yet
+    budget.observe_decode(5.0, 100)  # a = 0.05 s per token
+    assert budget.row_cost == pytest.approx(0.01)
+    assert budget.token_cost(0.0) == pytest.approx(0.01)
+    assert budget.token_cost(1.0) == pytest.approx(0.05)
+    assert budget.token_cost(0.5) == pytest.approx(0.03)
+    assert TrieBudget().token_cost(0.0) is None
 
 
 @pytest.mark.parametrize("token_cost", [0.4, 1e-6], ids=["pruned", "nothing-pays"])

@@ -268,7 +268,7 @@ class Decoder:
     def _prefill(self, contexts: list[list[int]]) -> tuple[DynamicCache, torch.Tensor]:
         """KV cache and attention mask [B, W] for each context minus its last token. Rows whose
         tokens were verified into `prefixes` take the KV of those tokens from there (`_hit_kv`); the
-        rest are computed in one forward pass."""
+        rest are computed in one forward pass, each distinct context once."""
         heads = [c[:-1] for c in contexts]
         prefixes = self.prefixes
         hits = {}
@@ -278,14 +278,22 @@ class Decoder:
         empty = [i for i in range(len(heads)) if i not in hits and not heads[i]]
         parts: list[tuple[list[int], list[torch.Tensor], torch.Tensor]] = []  # rows, KV, mask
         if compute:
-            ids, attention = left_pad([heads[i] for i in compute], self.pad_token_id, self.device)
+            # a prompt's n slots share its context: each distinct one is computed once
+            distinct: dict[tuple[int, ...], int] = {}
+            source = [distinct.setdefault(tuple(heads[i]), len(distinct)) for i in compute]
+            ids, attention = left_pad(list(map(list, distinct)), self.pad_token_id, self.device)
             cache = DynamicCache()
             positions = (attention.cumsum(-1) - 1).clamp(min=0)
             self.forward("prefill", ids, attention, positions, cache, keep=1)
             self.counts.record(
                 "prefill", *prefill_counts(attention), computed=padded_counts(attention)
             )
-            parts.append((compute, layers_kv(cache), attention))
+            kv = layers_kv(cache)
+            if len(distinct) < len(compute):
+                index = torch.tensor(source, device=self.device)
+                kv = [t.index_select(0, index) for t in kv]
+                attention = attention.index_select(0, index)
+            parts.append((compute, kv, attention))
         if empty:  # single-token contexts: nothing to prefill
             parts.append(
                 (empty, [], torch.zeros(len(empty), 0, dtype=torch.long, device=self.device))

@@ -19,6 +19,7 @@ from specrl.config import SpecConfig
 from specrl.engines import RolloutEngine, SamplingParams
 from specrl.errors import UserError
 from specrl.speculative.acceptance import AcceptanceRule
+from specrl.speculative.drafting import DraftWidth
 from specrl.speculative.prompt_state import PromptState
 from specrl.speculative.reuse.base import Reuse
 from specrl.speculative.reuse.budget import TrieBudget
@@ -34,8 +35,10 @@ def reuse_strategy(
     rule: AcceptanceRule,
     prompts: PromptState,
     sampling: SamplingParams,
+    width: DraftWidth,
 ) -> Reuse:
-    """The strategy `rollout.spec` asks for, checked against what `engine` can do."""
+    """The strategy `rollout.spec` asks for, checked against what `engine` can do (`width`: the
+    stage's fit of decode forwards, which prices a decoded token for the trie budget)."""
     capabilities = engine.capabilities
     if not cfg.enabled:
         return Reuse()
@@ -50,7 +53,7 @@ def reuse_strategy(
                 "rollout.spec.reuse=trie needs an engine that verifies tries (hf, vllm); "
                 "use rollout.spec.reuse=slot on this engine"
             )
-        return TrieReuse(engine, prompts.tree, sampling, TrieBudget(cfg.verify_budget))
+        return TrieReuse(engine, prompts.tree, sampling, TrieBudget(cfg.verify_budget, width))
     if cfg.verify_mode == "decoding":
         if not capabilities.draft_decoding:
             raise UserError(

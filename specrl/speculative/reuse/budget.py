@@ -17,9 +17,15 @@ are the same tokens (or, off the transformers engine, the same distribution) as 
 
 Both costs are measured on the engine's own calls, as wall seconds: c_node is a trie pass's
 seconds per position it computed (prompt and nodes: a pass prefills its prompts, which decoding
-then reuses), c_token a decoding call's seconds per token it produced. c_token is the average
-cost, so where a decode forward costs about the same for one row as for many (a launch-bound
-GPU) it overstates what one reused token saves. All evidence decays by `decay` per call, and ρ's
+then reuses). c_token is what a reused token saves decoding: one row of forwards that run anyway
+(cs, `DraftWidth`'s per-sequence cost, fitted to every decode forward of the engine as
+c0 + cs · rows + cd · drafts), plus a share of the forwards' fixed cost: where little is reused
+the batch's decode loop, which its slowest slot bounds, is as long as without reuse; where most
+is, it shortens about as much as the tokens do. So c_token = cs + (a − cs) · r, a being
+decoding's average seconds per token and r the share of the prompt's tokens its walks are
+expected to reuse, were every node verified (Σ ρ^depth · count over Σ count). Until cs is fitted
+(no forwards with drafts yet, or too little spread in their batch sizes) c_token is a, which
+overstates the saving where little is reused. All evidence decays by `decay` per call, and ρ's
 prior of one predicted move taken pulls it back to 1 where nothing was verified lately: a run that
 stopped verifying (early RL, the policy far from its history) tries again later, on the nodes
 near the roots first. Until both costs have been measured every node is verified.
@@ -31,6 +37,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from specrl.speculative.drafting import DraftWidth
 from specrl.speculative.tree import ROOT, PromptTree
 
 
@@ -44,8 +51,14 @@ class Selection:
 
 
 class TrieBudget:
-    def __init__(self, enabled: bool = True, decay: float = 0.8) -> None:
+    """`width`: the stage's draft-width controller, whose fit of decode forwards prices a
+    token (None: decoding's average seconds per token)."""
+
+    def __init__(
+        self, enabled: bool = True, width: DraftWidth | None = None, decay: float = 0.8
+    ) -> None:
         self.enabled = enabled
+        self.width = width
         self.decay = decay
         # decayed sums: [seconds, positions] of trie passes, [seconds, tokens] of decoding,
         # [moves taken, moves predicted] of walks
@@ -59,9 +72,24 @@ class TrieBudget:
         return self._verify[0] / self._verify[1] if self._verify[1] > 0 else None
 
     @property
-    def token_cost(self) -> float | None:
-        """Seconds decoding spends per token produced (None: not measured yet)."""
+    def average_token_cost(self) -> float | None:
+        """Decoding's seconds per token produced (None: not measured yet)."""
         return self._decode[0] / self._decode[1] if self._decode[1] > 0 else None
+
+    @property
+    def row_cost(self) -> float | None:
+        """What one more row costs a decode forward (None: not fitted)."""
+        fit = self.width.cost() if self.width is not None else None
+        return None if fit is None else fit[1]
+
+    def token_cost(self, reuse: float) -> float | None:
+        """What one reused token saves where a share `reuse` of the tokens is expected to be
+        reused: one row of the forwards, and the share of the forwards' fixed cost that many
+        fewer rows save (None: not measured yet)."""
+        average, row = self.average_token_cost, self.row_cost
+        if average is None or row is None or row >= average:
+            return average
+        return row + (average - row) * reuse
 
     @property
     def drift(self) -> float:
@@ -78,7 +106,13 @@ class TrieBudget:
             depth[v] = depth[parent[v]] + 1
         reach = walkers * self.drift**depth * count / count[ROOT]
         reach[ROOT] = 0.0
-        node_cost, token_cost = self.node_cost, self.token_cost
+        # the share of the prompt's tokens the walks are expected to reuse, were all verified
+        reuse = (
+            float(reach.sum() / (walkers * count[1:].sum() / count[ROOT]))
+            if len(count) > 1
+            else 0.0
+        )
+        node_cost, token_cost = self.node_cost, self.token_cost(reuse)
         if not self.enabled or node_cost is None or token_cost is None:
             nodes = np.arange(1, len(count))
         else:

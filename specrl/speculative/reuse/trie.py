@@ -111,7 +111,8 @@ class TrieReuse(Reuse):
         """What decoding cost per token: the budget's price of a token not reused."""
         self.budget.observe_decode(stats.gen_s, sum(len(r.token_ids) for r in results.values()))
         stats.trie_node_cost_s = self.budget.node_cost or 0.0
-        stats.trie_token_cost_s = self.budget.token_cost or 0.0
+        stats.trie_token_cost_s = self.budget.average_token_cost or 0.0
+        stats.trie_row_cost_s = self.budget.row_cost or 0.0
         stats.trie_drift = self.budget.drift
 
     def state_dict(self) -> dict:
