@@ -156,16 +156,11 @@ class SpeculativeStage:
 
     # ---------------------------------------------------------------- state
     def state_dict(self) -> dict[str, Any]:
-        return {
-            **self.prompts.state_dict(),
-            "draft_width": self.draft_width.state_dict(),
-            "reuse": self.reuse.state_dict(),
-        }
+        return {**self.prompts.state_dict(), "draft_width": self.draft_width.state_dict()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.prompts.load_state_dict(state)
         self.draft_width.load_state_dict(state["draft_width"])
-        self.reuse.load_state_dict(state["reuse"])
 
     def export(self, prompt_ids: Iterable[str]) -> dict[str, Any]:
         """The per-prompt state of these prompts: their drafts (every slot) and token trees."""

@@ -26,7 +26,13 @@ RULES = {
     "lenient": ["rollout.spec.acceptance=specrl"],
     "exact": ["rollout.spec.acceptance=exact"],
 }
-COMMON = ["rollout.spec.tree.enabled=true", "rollout.spec.tree.adaptive=false"]
+# the adaptive draft width and what the trie budget verifies follow timings: fixed / off, so that
+# runs compare bitwise
+COMMON = [
+    "rollout.spec.tree.enabled=true",
+    "rollout.spec.tree.adaptive=false",
+    "rollout.spec.verify_budget=false",
+]
 ROUNDS, BATCH, N = 4, 6, 4
 
 

@@ -44,10 +44,3 @@ class Reuse:
 
     def keep(self, rollouts: Sequence[Rollout]) -> None:
         """Keep what later calls reuse beyond the token trees: nothing here."""
-
-    def state_dict(self) -> dict:
-        """What the strategy learned that a resumed run keeps: nothing here."""
-        return {}
-
-    def load_state_dict(self, state: dict) -> None:
-        """Take back what `state_dict` gave."""

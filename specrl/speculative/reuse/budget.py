@@ -28,7 +28,8 @@ expected to reuse, were every node verified (Σ ρ^depth · count over Σ count)
 overstates the saving where little is reused. All evidence decays by `decay` per call, and ρ's
 prior of one predicted move taken pulls it back to 1 where nothing was verified lately: a run that
 stopped verifying (early RL, the policy far from its history) tries again later, on the nodes
-near the roots first. Until both costs have been measured every node is verified.
+near the roots first. Until both costs have been measured every node is verified. The budget is
+not checkpointed: a resumed run measures its machine again (one trie pass verifies everything).
 """
 
 from __future__ import annotations
@@ -128,15 +129,3 @@ class TrieBudget:
 
     def observe_walks(self, moves: float, predicted: float) -> None:
         self._moves = self.decay * self._moves + (moves, predicted)
-
-    def state_dict(self) -> dict[str, list[float]]:
-        return {
-            "verify": self._verify.tolist(),
-            "decode": self._decode.tolist(),
-            "moves": self._moves.tolist(),
-        }
-
-    def load_state_dict(self, state: dict[str, list[float]]) -> None:
-        self._verify = np.array(state["verify"])
-        self._decode = np.array(state["decode"])
-        self._moves = np.array(state["moves"])

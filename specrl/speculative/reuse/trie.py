@@ -115,12 +115,6 @@ class TrieReuse(Reuse):
         stats.trie_row_cost_s = self.budget.row_cost or 0.0
         stats.trie_drift = self.budget.drift
 
-    def state_dict(self) -> dict:
-        return self.budget.state_dict()
-
-    def load_state_dict(self, state: dict) -> None:
-        self.budget.load_state_dict(state)
-
 
 def _request(
     prompt_ids: tuple[int, ...], tree: PromptTree, nodes: list[int], sampling: SamplingParams
