@@ -43,9 +43,8 @@ LOGGED = (
 )
 
 
-def _grpo_trainer() -> type:
-    """TRL's GRPOTrainer, checked to take a `rollout_func` (one line when TRL is missing or its
-    contract is not the one supported)."""
+def _check_trl() -> None:
+    """TRL is installed and its GRPOTrainer takes a `rollout_func` (one line when not)."""
     try:
         import trl
         from trl import GRPOTrainer
@@ -62,7 +61,6 @@ def _grpo_trainer() -> type:
             f"experimental API; this is TRL {trl.__version__}",
             stacklevel=3,
         )
-    return GRPOTrainer
 
 
 class SpeculativeRollouts:
@@ -71,7 +69,7 @@ class SpeculativeRollouts:
     same seeds); `max_batch_size`: sequences per forward of the engine."""
 
     def __init__(self, spec: SpecConfig | None = None, max_batch_size: int = 512) -> None:
-        _grpo_trainer()
+        _check_trl()
         self.spec = spec or SpecConfig()
         if self.spec.enabled and self.spec.acceptance != "exact":
             raise UserError(

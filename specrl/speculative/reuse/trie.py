@@ -80,14 +80,14 @@ class TrieReuse(Reuse):
             stats.verify_s += time.perf_counter() - started
             return
         requests = [_request(ids, tree, sel.nodes, self.sampling) for ids, tree, sel, _ in tries]
-        verify_started = time.perf_counter()
+        engine_s = stats.engine_s
         verified = stats.timed(self.engine.verify_tries, requests, prefixes)
-        positions = sum(len(r.prompt_ids) + len(r.tokens) for r in requests)
-        self.budget.observe_verify(time.perf_counter() - verify_started, positions)
-        scored = sum(len(r.tokens) for r in requests)
+        computed = sum(len(r.prompt_ids) + len(r.tokens) for r in requests)
+        self.budget.observe_verify(stats.engine_s - engine_s, computed)
+        verified_nodes = sum(len(r.tokens) for r in requests)
         stats.trie_prompts += len(requests)
-        stats.trie_nodes += scored
-        stats.verified_tokens += scored
+        stats.trie_nodes += verified_nodes
+        stats.verified_tokens += verified_nodes
         stats.trie_expected_tokens += sum(sel.expected_tokens for _, _, sel, _ in tries)
         seeds = torch.tensor([slots[i].seed for i in walkers])[:, None]
         first = torch.tensor([len(slots[i].prompt.ids) for i in walkers])[:, None]
@@ -155,28 +155,36 @@ def walk_trie(
     # Python floats: a walk indexes them token by token (the same float64 arithmetic)
     low, high, total = trie.low.tolist(), trie.high.tolist(), trie.total.tolist()
     current = trie.logprobs.tolist()
-    index = {ROOT: 0} | {v: i for i, v in enumerate(nodes, start=1)}
+    # per row of `trie` (0: the root): its verified children as (token, row), and the share of
+    # its earlier responses that went on to one of them (the drift's prediction of a move)
+    count = tree.count
+    kids: list[list[tuple[int, int]]] = [[] for _ in range(len(nodes) + 1)]
+    row_of = {ROOT: 0}
+    for row, v in enumerate(nodes, start=1):
+        row_of[v] = row
+        kids[row_of[tree.parent[v]]].append((tree.token[v], row))
+    owner = [ROOT, *nodes]
+    share = [sum(count[owner[c]] for _, c in k) / count[owner[r]] for r, k in enumerate(kids)]
     walks, moves, predicted = [], 0, 0.0
     for slot_uniforms, budget in zip(uniforms.tolist(), budgets, strict=True):
-        node, tokens, logprobs = ROOT, [], []
+        at, tokens, logprobs = 0, [], []
         finish: FinishReason | None = "length"
         excluded: tuple[int, ...] = ()
         while len(tokens) < budget:
-            at = index[node]
-            children = [(t, c) for t, c in tree.children[node].items() if c in index]
+            children = kids[at]
             if children:
-                predicted += sum(tree.count[c] for _, c in children) / tree.count[node]
+                predicted += share[at]
             target = slot_uniforms[len(tokens)] * total[at]
-            child = next((c for _, c in children if low[index[c]] < target <= high[index[c]]), None)
-            if child is None:
+            step = next(((t, c) for t, c in children if low[c] < target <= high[c]), None)
+            if step is None:
                 finish = None
                 excluded = () if trie.coupled else tuple(t for t, _ in children)
                 break
             moves += 1
-            node = child
-            tokens.append(tree.token[node])
-            logprobs.append(current[index[node]])
-            if tree.token[node] in eos_token_ids:
+            token, at = step
+            tokens.append(token)
+            logprobs.append(current[at])
+            if token in eos_token_ids:
                 finish = "stop"
                 break
         walks.append(Reused(tokens, logprobs, finish, excluded))
