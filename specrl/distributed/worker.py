@@ -20,6 +20,7 @@ import torch
 from specrl.config import Config
 from specrl.engines import GenRequest, GenResult, SamplingParams
 from specrl.engines.build import build_worker_engine
+from specrl.engines.protocol import WeightPhase
 from specrl.speculative.stage import SpeculativeStage
 from specrl.speculative.stats import RolloutStats
 from specrl.tracking import quiet_libraries
@@ -69,26 +70,12 @@ class RolloutWorker:
         self.policy_version = version
         return version
 
-    # vLLM's weight-sync calls, for the trainer's NCCL weight-transfer engine (nccl backend)
-    def init_weight_transfer_engine(self, request: Any) -> None:
-        self.engine.init_weight_transfer_engine(request)
-
-    def shutdown_weight_transfer_engine(self) -> None:
-        self.engine.shutdown_weight_transfer_engine()
-
-    def start_weight_update(self) -> None:
-        self.engine.start_weight_update()
-
-    def update_weights(self, request: Any) -> None:
-        self.engine.update_weights(request)
-
-    def finish_weight_update(self) -> None:
-        self.engine.finish_weight_update()
+    def transfer_weights(self, phase: WeightPhase, info: dict[str, Any] | None = None) -> None:
+        """One phase of a weight transfer the trainer drives (engines with `nccl_weight_sync`)."""
+        self.engine.transfer_weights(phase, info)
 
     def weights_received(self, version: int) -> int:
-        """The broadcast of step `version`'s weights is complete (the engine drops the KV of
-        the old weights)."""
-        self.engine.weights_received()
+        """The transfer of step `version`'s weights is complete."""
         self.policy_version = version
         return version
 

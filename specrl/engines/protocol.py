@@ -20,6 +20,11 @@ by whoever needs it (the speculative stage, the trainer):
 - `own_drafts`: the engine drafts for itself while it decodes (vLLM's suffix decoding), in
   `generate`; its results count the decode forwards, draft and accepted tokens as
   `generate_with_drafts` results do;
+- weights sent from outside (engines whose kind has `nccl_weight_sync`: build.py's
+  `EngineKind`, known before an engine is built): `transfer_weights(phase, info)` runs one
+  phase of a transfer the trainer's transfer engine drives (`WeightPhase`: init with the
+  backend's init info, start, update with the update info, finish, shutdown); after finish
+  the engine holds the new weights and nothing computed with the old ones;
 - `trie_verification`: `verify_tries(requests, prefixes)` verifies a prompt's trie of earlier responses
   in one pass (every node attends to the prompt and its own ancestors) and returns, per node,
   what the engine's sampler needs to decide whether a slot's next token is that node
@@ -33,7 +38,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Literal, Protocol
 
 import numpy as np
 import torch
@@ -126,6 +131,11 @@ class TrieLogprobs:
     high: np.ndarray  # [N + 1] float64
     total: np.ndarray  # [N + 1] float64: the mass u is scaled by after node v
     coupled: bool = True
+
+
+# the phases of a weight transfer driven from outside the engine, in order (init and shutdown
+# once per transfer group, start / update / finish once per step)
+WeightPhase = Literal["init", "start", "update", "finish", "shutdown"]
 
 
 @dataclass(frozen=True)

@@ -279,6 +279,32 @@ def test_state_dict_source_declares_what_it_yields():
     assert [name for group in source.groups() for name in group] == list(source.state)
 
 
+def test_the_nccl_client_drives_the_workers_weight_transfer_phase_by_phase(vllm_engine):
+    """vLLM's NCCL trainer engine calls its client's start / update / finish; `WorkerClient`
+    turns each into a phase of every worker's `transfer_weights` (the engine's, as a worker
+    forwards it). Here the engine's own in-process backend receives, over handles called in
+    process: the new weights decode as the trainer's model does (NCCL itself needs GPUs)."""
+    from specrl.engines.vllm.nccl_sync import WorkerClient
+
+    class Handle:  # a Ray actor handle's `.method.remote(...)`, run in this process
+        def __init__(self, target):
+            self.transfer_weights = type("Method", (), {"remote": target.transfer_weights})
+
+    class InProcess:  # `ray.get` of results computed already
+        get = staticmethod(lambda results: results)
+
+    trainer_model = tiny(9)
+    requests = [GenRequest(p, 16, GREEDY) for p in PROMPTS]
+    expected = [r.token_ids for r in HFEngine(trainer_model, [EOS], PAD).generate(requests)]
+    synced(vllm_engine, tiny(0))
+    assert [r.token_ids for r in vllm_engine.generate(requests)] != expected
+    client = WorkerClient(InProcess(), [Handle(vllm_engine)])
+    client.start_weight_update()
+    client.update_weights({"weights": list(trainer_model.state_dict().items())})
+    client.finish_weight_update()
+    assert [r.token_ids for r in vllm_engine.generate(requests)] == expected
+
+
 def test_greedy_decoding_with_proposer_drafts_equals_greedy_decoding_without(
     vllm_engine, drafting_engine
 ):

