@@ -93,15 +93,15 @@ def main() -> None:
     )
     trainer = Trainer(cfg)  # the built-in policy, tokenizer, data and engine
     start_ray(cfg.ray_kwargs.ray_init)
-    sampling = trainer.rollouts.stage.sampling
-    policy = trainer.actor.policy
-    eos = eos_token_ids(policy, trainer.tokenizer)
+    sampling = trainer.run.rollouts.stage.sampling
+    policy = trainer.run.actor.policy
+    eos = eos_token_ids(policy, trainer.run.tokenizer)
     groups = {
         k: RolloutWorkers(
             cfg.model_copy(update={"rollout": cfg.rollout.model_copy(update={"num_workers": k})}),
-            trainer.model_dir,
+            trainer.run.model_dir,
             eos,
-            trainer.tokenizer.pad_token_id,
+            trainer.run.tokenizer.pad_token_id,
             sampling,
         )
         for k in (1, 2)
@@ -110,7 +110,7 @@ def main() -> None:
         update={"rollout": cfg.rollout.model_copy(update={"num_workers": 2, "run_ahead": True})}
     )
     groups["ahead"] = RolloutWorkers(
-        ahead_cfg, trainer.model_dir, eos, trainer.tokenizer.pad_token_id, sampling
+        ahead_cfg, trainer.run.model_dir, eos, trainer.run.tokenizer.pad_token_id, sampling
     )
     sync_s = {k: [] for k in (1, 2)}
     for k, group in groups.items():
@@ -120,12 +120,12 @@ def main() -> None:
             if k in sync_s:
                 sync_s[k].append(time.perf_counter() - start)
     R, n = cfg.data.max_response_length, cfg.rollout.n
-    local = SpeculativeStage(trainer.rollouts.engine, sampling, R, cfg.rollout.spec)
+    local = SpeculativeStage(trainer.run.rollouts.engine, sampling, R, cfg.rollout.spec)
     torch.set_num_threads(1)  # as each worker runs
     history: dict[str, list[dict[str, float]]] = {arm: [] for arm in ARMS}
     identical = True
     for round_ in range(args.rounds):
-        batch = trainer.loader.next_batch()
+        batch = trainer.run.loader.next_batch()
         tokens = []
         for arm, stage in zip(ARMS, (local, groups[1], groups[2], groups["ahead"]), strict=True):
             start = time.perf_counter()
@@ -146,7 +146,7 @@ def main() -> None:
             tokens.append([r.token_ids for r in rollouts])
             if arm.endswith("run-ahead"):  # timed apart: in training it overlaps the update
                 start = time.perf_counter()
-                stage.run_ahead(trainer.loader.peek(), ("ray-bench-ahead", round_), 0)
+                stage.run_ahead(trainer.run.loader.peek(), ("ray-bench-ahead", round_), 0)
                 stage.collect_run_ahead()
                 history[arm][-1]["run_ahead_s"] = time.perf_counter() - start
                 history[arm][-1]["drafted_tokens"] = stats.drafted_tokens
@@ -247,17 +247,17 @@ def step_scaling(
     history: dict[str, list[dict[str, float]]] = {arm: [] for arm in trainers}
     for step in range(1, count + 1):
         for arm, trainer in trainers.items():
-            trainer.global_step = step
+            trainer.run.global_step = step
             metrics = trainer.train_step()
             history[arm].append(
                 {"training/global_step": step, **{k: metrics[v] for k, v in STEP_KEYS.items()}}
             )
             print(f"step {step} {arm}: {metrics['timing_s/step']:.2f} s", flush=True)
     for trainer in trainers.values():
-        trainer.rollouts.shutdown()
-        if isinstance(trainer.actor, LearnerGroup):
-            trainer.actor.shutdown()
-        trainer.lock.release()
+        trainer.run.rollouts.shutdown()
+        if isinstance(trainer.run.actor, LearnerGroup):
+            trainer.run.actor.shutdown()
+        trainer.run.lock.release()
 
     def mean(arm: str, key: str) -> float:
         return float(np.mean([m[key] for m in history[arm][2:]]))

@@ -40,7 +40,7 @@ def main() -> None:
         [f"trainer.output_dir={out / 'run'}", "trainer.logger=[]", "trainer.resume_mode=disable"],
     )
     trainer = Trainer(cfg)  # the built-in policy, tokenizer, data and engine
-    prompts = trainer.loader.prompts[: args.prompts]
+    prompts = trainer.run.loader.prompts[: args.prompts]
     R, n = cfg.data.max_response_length, cfg.rollout.n
     arms = {
         "vanilla": SpecConfig(enabled=False, tree=TreeConfig(enabled=False)),
@@ -53,7 +53,9 @@ def main() -> None:
         ),
     }
     stages = {
-        name: SpeculativeStage(trainer.rollouts.engine, trainer.rollouts.stage.sampling, R, spec)
+        name: SpeculativeStage(
+            trainer.run.rollouts.engine, trainer.run.rollouts.stage.sampling, R, spec
+        )
         for name, spec in arms.items()
     }
     histories: dict[str, list[dict[str, float]]] = {name: [] for name in arms}

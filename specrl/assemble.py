@@ -19,7 +19,7 @@ import numpy as np
 import torch
 from transformers import PreTrainedTokenizerBase
 
-from specrl.actor.critic import load_critic
+from specrl.actor.critic import Critic, load_critic
 from specrl.actor.policy import load_actor
 from specrl.actor.update import Actor
 from specrl.backends import InProcessRollouts, RolloutBackend
@@ -32,12 +32,12 @@ from specrl.checkpoint import (
 )
 from specrl.config import Config
 from specrl.data import PromptLoader, format_prompts, read_splits, tokenize_splits
-from specrl.distributed.learner import LearnerGroup
+from specrl.distributed.learner import CriticOnRanks, LearnerGroup
 from specrl.distributed.rollout import RolloutWorkers
 from specrl.engines import SamplingParams
 from specrl.engines.build import build_engine, engine_kind, logprobs_are_the_trainers
 from specrl.episodes.env import load_environment
-from specrl.episodes.runner import EpisodeLoop, EpisodeStage
+from specrl.episodes.runner import EpisodeLoop
 from specrl.errors import UserError
 from specrl.evaluation import evaluate
 from specrl.lora import base_identity, check_base, rollout_weights, state_bytes
@@ -60,9 +60,9 @@ def seed_everything(seed: int) -> None:
 
 @dataclass(eq=False)
 class Run:
-    """The parts of a run and where it stands. `rollouts` is the rollout backend (in-process, or
-    Ray workers); `stage` rolls out training batches: the backend itself, or episodes whose turns
-    the in-process stage rolls out."""
+    """The parts of a run and where it stands; the trainer's loop (trainer.py) works with them.
+    `rollouts` is the one rollout handle: the in-process backend (in multi-turn runs, episodes
+    whose turns its stage rolls out) or Ray workers."""
 
     cfg: Config
     run_dir: Path
@@ -75,21 +75,18 @@ class Run:
     base_model: dict[str, str] | None  # with LoRA: the base's path and hash
     actor: Actor | LearnerGroup
     tokenizer: PreTrainedTokenizerBase
-    critic: Any  # Critic, the critic on the learner ranks, or None
+    critic: Critic | CriticOnRanks | None  # with algorithm.adv_estimator=gae
     loader: PromptLoader
     val_prompts: list[Prompt]
-    rollouts: RolloutBackend
-    stage: RolloutBackend | EpisodeStage
-    episodes: EpisodeLoop | None
+    rollouts: RolloutBackend  # training rollouts (episodes in multi-turn runs) and evaluation
     rollout_logprobs_are_old_logprobs: bool
     signal: SignalWatch  # says once when steps in a row give nothing to learn from
     total_steps: int
     global_step: int = 0
-    bad_steps: int = 0  # consecutive steps with skipped (non-finite) updates
 
     def checkpointed(self) -> dict[str, Any]:
         """The parts whose state a checkpoint holds, by name."""
-        parts = {"actor": self.actor, "loader": self.loader, "stage": self.stage}
+        parts = {"actor": self.actor, "loader": self.loader, "stage": self.rollouts}
         return parts if self.critic is None else {**parts, "critic": self.critic}
 
     def save(self) -> str:
@@ -116,7 +113,7 @@ class Run:
             self.cfg.data.val_batch_size,
             self.cfg.data.max_response_length,
             self.global_step,
-            self.episodes,
+            self.rollouts.episodes,
             self.cfg.trainer.log_val_generations,
         )
         self.tracker.log_generations(self.global_step, evaluation.generations)
@@ -206,16 +203,6 @@ def build_run(cfg: Config, tracker: Tracker | None = None) -> Run:
     loader = PromptLoader(train, cfg.data.train_batch_size, cfg.data.shuffle, cfg.trainer.seed)
     sampling = SamplingParams(cfg.rollout.temperature, cfg.rollout.top_p, cfg.rollout.top_k)
     pad_id = tokenizer.pad_token_id
-    rollouts: RolloutBackend
-    if cfg.rollout.num_workers:
-        rollouts = RolloutWorkers(cfg, engine_dir, eos_ids, pad_id, sampling, log)
-    else:
-        engine = build_engine(cfg, actor.policy, eos_ids, pad_id, engine_dir)
-        R = cfg.data.max_response_length
-        rollouts = InProcessRollouts(
-            engine, SpeculativeStage(engine, sampling, R, cfg.rollout.spec)
-        )
-    stage: RolloutBackend | EpisodeStage = rollouts
     episodes = None
     if env is not None:  # each rollout an episode, its turns rolled out by the in-process stage
         episodes = EpisodeLoop(
@@ -226,7 +213,14 @@ def build_run(cfg: Config, tracker: Tracker | None = None) -> Run:
             cfg.env.max_error_ratio,
             tracker.warn,
         )
-        stage = EpisodeStage(rollouts.stage, episodes)
+    rollouts: RolloutBackend
+    if cfg.rollout.num_workers:
+        rollouts = RolloutWorkers(cfg, engine_dir, eos_ids, pad_id, sampling, log)
+    else:
+        engine = build_engine(cfg, actor.policy, eos_ids, pad_id, engine_dir)
+        R = cfg.data.max_response_length
+        stage = SpeculativeStage(engine, sampling, R, cfg.rollout.spec)
+        rollouts = InProcessRollouts(engine, stage, episodes)
     steps = cfg.trainer.total_epochs * loader.steps_per_epoch
     run = Run(
         cfg=cfg,
@@ -244,8 +238,6 @@ def build_run(cfg: Config, tracker: Tracker | None = None) -> Run:
         loader=loader,
         val_prompts=val_prompts,
         rollouts=rollouts,
-        stage=stage,
-        episodes=episodes,
         rollout_logprobs_are_old_logprobs=logprobs_are_the_trainers(cfg, sampling),
         signal=SignalWatch(cfg.rollout.n, run_dir / GENERATIONS),
         total_steps=min(steps, cfg.trainer.total_training_steps or steps),

@@ -1,6 +1,7 @@
 """Where a run's rollouts come from: the protocol the training loop uses, and its in-process
-backend (one engine and its speculative stage). `distributed.rollout.RolloutWorkers` is the
-other backend: Ray workers, each with an engine and a stage for the prompts it owns."""
+backend (one engine and its speculative stage; in multi-turn runs, episodes whose turns that
+stage rolls out). `distributed.rollout.RolloutWorkers` is the other backend: Ray workers, each
+with an engine and a stage for the prompts it owns."""
 
 from __future__ import annotations
 
@@ -10,16 +11,20 @@ from typing import Any, Protocol
 import torch
 
 from specrl.engines import GenRequest, GenResult, RolloutEngine
+from specrl.episodes.runner import EpisodeLoop, EpisodeStage
 from specrl.speculative.stage import SpeculativeStage
 from specrl.speculative.stats import RolloutStats
 from specrl.types import Prompt, Rollout
 
 
 class RolloutBackend(Protocol):
+    episodes: EpisodeLoop | None  # multi-turn runs: the episode loop (evaluation plays it too)
+
     def __call__(
         self, prompts: Sequence[Prompt], n: int, seed_key: tuple, policy_version: int
     ) -> tuple[list[Rollout], RolloutStats]:
-        """n speculative rollouts per prompt (prompt-major) and their counts."""
+        """n speculative rollouts (episodes, in multi-turn runs) per prompt, prompt-major, and
+        their counts."""
 
     def generate(self, requests: Sequence[GenRequest]) -> list[GenResult]:
         """Plain decoding (evaluation)."""
@@ -42,17 +47,22 @@ class RolloutBackend(Protocol):
 
 
 class InProcessRollouts:
-    """The backend in the trainer's process: `engine` decodes and scores, `stage` (over that
-    engine) does everything speculative; the checkpointed state is the stage's."""
+    """The backend in the trainer's process: `engine` decodes and verifies, `stage` (over that
+    engine) does everything speculative; with `episodes`, each rollout is an episode whose turns
+    the stage rolls out. The checkpointed state is the stage's (and the episodes' record)."""
 
-    def __init__(self, engine: RolloutEngine, stage: SpeculativeStage) -> None:
+    def __init__(
+        self, engine: RolloutEngine, stage: SpeculativeStage, episodes: EpisodeLoop | None = None
+    ) -> None:
         self.engine = engine
         self.stage = stage
+        self.episodes = episodes
+        self._rollouts = stage if episodes is None else EpisodeStage(stage, episodes)
 
     def __call__(
         self, prompts: Sequence[Prompt], n: int, seed_key: tuple, policy_version: int
     ) -> tuple[list[Rollout], RolloutStats]:
-        return self.stage(prompts, n, seed_key, policy_version)
+        return self._rollouts(prompts, n, seed_key, policy_version)
 
     def generate(self, requests: Sequence[GenRequest]) -> list[GenResult]:
         return self.engine.generate(requests)
@@ -70,10 +80,10 @@ class InProcessRollouts:
         self.engine.wake_up()
 
     def state_dict(self) -> dict[str, Any]:
-        return self.stage.state_dict()
+        return self._rollouts.state_dict()
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.stage.load_state_dict(state)
+        self._rollouts.load_state_dict(state)
 
     def shutdown(self) -> None:
         """Nothing to stop: the engine lives as long as the process."""

@@ -133,11 +133,11 @@ def run_bench(
         for arm in order[seed]:
             log(f"bench: training the {arm} arm (seed {seed}) into {seed_dir / arm}")
             trainer = Trainer(arm_config(cfg, arm, seed, seed_dir))
-            model_dir = Path(trainer.model_dir)
+            model_dir = Path(trainer.run.model_dir)
             shape = shape or policy_shape(model_dir)
             trainer.fit()
-            runs[arm].append(trainer.tracker.history)
-            plotted[arm if len(seeds) == 1 else f"{arm} seed {seed}"] = trainer.tracker.history
+            runs[arm].append(trainer.run.tracker.history)
+            plotted[arm if len(seeds) == 1 else f"{arm} seed {seed}"] = trainer.run.tracker.history
             load[f"{arm} seed {seed}"] = _load_average()
     result = summarize(runs, cfg, seeds, window)
     result["arm_order"] = {str(seed): arms_run for seed, arms_run in order.items()}

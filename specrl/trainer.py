@@ -1,5 +1,5 @@
 """The training loop, top to bottom as in docs/design.md: rollout → rewards → advantages → update →
-sync → log. A `Trainer` is the run that assemble.py builds from the config, plus this loop.
+sync → log. A `Trainer` holds the run that assemble.py builds from the config and runs this loop.
 Everything speculative happens inside the rollout stage; the policy and its update live in
 actor/."""
 
@@ -29,25 +29,27 @@ class TrainingDivergedError(UserError):
     """Training cannot continue: repeated non-finite losses or gradients."""
 
 
-class Trainer(Run):
+class Trainer:
     def __init__(self, cfg: Config, tracker: Tracker | None = None) -> None:
-        super().__init__(**vars(build_run(cfg, tracker)))
+        self.run: Run = build_run(cfg, tracker)
+        self.bad_steps = 0  # consecutive steps with skipped (non-finite) updates
 
     # ---------------------------------------------------------------- loop
     def fit(self) -> dict[str, float]:
-        save_config(self.cfg, self.run_dir / "config.yaml")
-        if self.threads_note:  # after every check of the input: bad input gets one line
-            self.tracker.print(self.threads_note)
-        if self.resume_from is not None:
-            self.tracker.print(
-                f"resuming from {self.resume_from} at step {self.global_step} "
+        run = self.run
+        save_config(run.cfg, run.run_dir / "config.yaml")
+        if run.threads_note:  # after every check of the input: bad input gets one line
+            run.tracker.print(run.threads_note)
+        if run.resume_from is not None:
+            run.tracker.print(
+                f"resuming from {run.resume_from} at step {run.global_step} "
                 "(trainer.resume_mode=disable starts over)"
             )
-            self.tracker.start(keep_through_step=self.global_step, config=self.cfg.model_dump())
+            run.tracker.start(keep_through_step=run.global_step, config=run.cfg.model_dump())
         else:
-            self.tracker.start(config=self.cfg.model_dump())
-            if self.cfg.trainer.val_before_train:
-                self.tracker.log({"training/global_step": 0, **self.validate()})
+            run.tracker.start(config=run.cfg.model_dump())
+            if run.cfg.trainer.val_before_train:
+                run.tracker.log({"training/global_step": 0, **run.validate()})
         # Everything alive now (model, data, library objects: ~400k) lives through the run; frozen,
         # the garbage collector stops scanning it (as vLLM does after start-up): a full collection
         # took ~0.1 s here, several times per epoch.
@@ -55,76 +57,78 @@ class Trainer(Run):
         gc.freeze()
         try:
             with (
-                self.tracker.progress(self.total_steps, self.global_step) as advance,
+                run.tracker.progress(run.total_steps, run.global_step) as advance,
                 StopSignals() as stop,
             ):
-                while self.global_step < self.total_steps:
-                    self.global_step += 1
+                while run.global_step < run.total_steps:
+                    run.global_step += 1
                     metrics = self.train_step()
                     self._check_finite(metrics)
-                    if self.cfg.trainer.test_freq > 0 and self._due(self.cfg.trainer.test_freq):
-                        metrics.update(self.validate())
-                    if self._due(self.cfg.trainer.save_freq) or stop.received:
-                        path = self.save()
-                    self.tracker.log(metrics)
+                    if run.cfg.trainer.test_freq > 0 and self._due(run.cfg.trainer.test_freq):
+                        metrics.update(run.validate())
+                    if self._due(run.cfg.trainer.save_freq) or stop.received:
+                        path = run.save()
+                    run.tracker.log(metrics)
                     advance(metrics)
                     if stop.received:
                         raise RunInterrupted(
-                            f"interrupted at step {self.global_step}; saved {path}; rerun the "
+                            f"interrupted at step {run.global_step}; saved {path}; rerun the "
                             "same command to resume",
                             stop.received,
                         )
         finally:
             gc.unfreeze()
-            self.rollouts.shutdown()
-            self.actor.shutdown()
-            self.tracker.close()
-            self.lock.release()
-        return self.tracker.summary(self.run_dir)
+            run.rollouts.shutdown()
+            run.actor.shutdown()
+            run.tracker.close()
+            run.lock.release()
+        return run.tracker.summary(run.run_dir)
 
     def _check_finite(self, metrics: dict[str, float]) -> None:
         """Skipped updates are reported every step; trainer.max_bad_steps in a row stop the run
         after saving a checkpoint (of the last good weights: bad updates are never applied)."""
+        run = self.run
         skipped = metrics["actor/skipped_updates"]
         self.bad_steps = self.bad_steps + 1 if skipped else 0
         if skipped:
-            self.tracker.warn(
-                f"step {self.global_step}: {skipped} updates skipped (non-finite loss or gradient)"
+            run.tracker.warn(
+                f"step {run.global_step}: {skipped} updates skipped (non-finite loss or gradient)"
             )
-        if self.bad_steps >= self.cfg.trainer.max_bad_steps:
-            self.tracker.log(metrics)
-            path = self.save()
+        if self.bad_steps >= run.cfg.trainer.max_bad_steps:
+            run.tracker.log(metrics)
+            path = run.save()
             raise TrainingDivergedError(
                 f"{self.bad_steps} steps in a row had non-finite losses or gradients; stopped after "
                 f"saving {path}. Lower actor.optim.lr or actor.grad_clip, or check the reward scale"
             )
 
     def _due(self, freq: int) -> bool:
-        return self.global_step == self.total_steps or (freq > 0 and self.global_step % freq == 0)
+        step = self.run.global_step
+        return step == self.run.total_steps or (freq > 0 and step % freq == 0)
 
     def train_step(self) -> dict[str, float]:
-        cfg = self.cfg
-        metrics: dict[str, float] = {"training/global_step": self.global_step}
+        run, cfg = self.run, self.run.cfg
+        metrics: dict[str, float] = {"training/global_step": run.global_step}
         step_start = time.perf_counter()
         rollouts, scores = self.collect_rollouts(metrics)
-        if (warning := self.signal.check(self.global_step, scores.scores)) is not None:
-            self.tracker.warn(warning)
+        if (warning := run.signal.check(run.global_step, scores.scores)) is not None:
+            run.tracker.warn(warning)
         if cfg.rollout.run_ahead:  # workers seed the next batch's trees during the update
-            next_key = (cfg.trainer.seed, self.global_step + 1, "run-ahead")
-            self.rollouts.run_ahead(self.loader.peek(), next_key, self.global_step)
+            next_key = (cfg.trainer.seed, run.global_step + 1, "run-ahead")
+            run.rollouts.run_ahead(run.loader.peek(), next_key, run.global_step)
         batch = self.train_batch(rollouts, scores, metrics)
         if cfg.rollout.enable_sleep_mode:  # the trainer gets the GPU memory during the update
-            self.rollouts.sleep()
+            run.rollouts.sleep()
         with timed(metrics, "update_actor"):
-            seed = cfg.trainer.seed * 1_000_003 + self.global_step
-            metrics.update(self.actor.update(batch, cfg.rollout.n, seed).metrics())
-        if self.critic is not None:
+            seed = cfg.trainer.seed * 1_000_003 + run.global_step
+            metrics.update(run.actor.update(batch, cfg.rollout.n, seed).metrics())
+        if run.critic is not None:
             with timed(metrics, "update_critic"):
-                metrics.update(self.critic.update(batch, cfg.rollout.n, seed).metrics())
+                metrics.update(run.critic.update(batch, cfg.rollout.n, seed).metrics())
         if cfg.rollout.enable_sleep_mode:
-            self.rollouts.wake_up()
+            run.rollouts.wake_up()
         with timed(metrics, "sync"):
-            metrics["sync/weight_bytes"] = self.sync_weights()
+            metrics["sync/weight_bytes"] = run.sync_weights()
         metrics["timing_s/step"] = time.perf_counter() - step_start
         step_scores = torch.tensor(scores.scores)
         metrics.update(
@@ -136,7 +140,7 @@ class Trainer(Run):
                 metrics["timing_s/step"],
             )
         )
-        metrics["training/epoch"] = self.loader.epoch
+        metrics["training/epoch"] = run.loader.epoch
         return metrics
 
     # ---------------------------------------------------------------- rollout + rewards
@@ -144,17 +148,16 @@ class Trainer(Run):
         """Rollouts and their scores for data.train_batch_size prompts. With DAPO dynamic
         sampling, groups whose `filter_groups.metric` is the same for every slot are dropped and
         more prompts are rolled out, up to algorithm.filter_groups.max_num_gen_batches batches."""
-        cfg = self.cfg
+        run, cfg = self.run, self.run.cfg
         n, want = cfg.rollout.n, cfg.data.train_batch_size
         filtering = cfg.algorithm.filter_groups
         kept: list[Rollout] = []
         kept_scores = Scores([], [], [], [])
         stats = None  # RolloutStats, or EpisodeStats in multi-turn runs: they add up
         for gen_batch in range(filtering.max_num_gen_batches if filtering.enable else 1):
-            seed_key = (cfg.trainer.seed, self.global_step, gen_batch)
-            rollouts, batch_stats = self.stage(
-                self.loader.next_batch(), n, seed_key, self.global_step
-            )
+            seed_key = (cfg.trainer.seed, run.global_step, gen_batch)
+            prompts = run.loader.next_batch()
+            rollouts, batch_stats = run.rollouts(prompts, n, seed_key, run.global_step)
             stats = batch_stats if stats is None else stats + batch_stats
             with timed(metrics, "reward"):
                 scores = self.score(rollouts)
@@ -180,17 +183,18 @@ class Trainer(Run):
         return kept[: len(kept_scores.scores)], kept_scores
 
     def score(self, rollouts: list[Rollout]) -> Scores:
-        overlong, R = self.cfg.reward_model.overlong_buffer, self.cfg.data.max_response_length
-        scores = score_rollouts(self.reward_fn, self.tokenizer, rollouts, overlong, R)
-        if scores.errors > self.cfg.reward_model.max_error_ratio * len(rollouts):
+        run = self.run
+        overlong, R = run.cfg.reward_model.overlong_buffer, run.cfg.data.max_response_length
+        scores = score_rollouts(run.reward_fn, run.tokenizer, rollouts, overlong, R)
+        if scores.errors > run.cfg.reward_model.max_error_ratio * len(rollouts):
             raise RewardFunctionError(
-                f"reward function {self.reward_fn.name} failed on {scores.errors} of "
-                f"{len(rollouts)} responses at step {self.global_step} (first: "
+                f"reward function {run.reward_fn.name} failed on {scores.errors} of "
+                f"{len(rollouts)} responses at step {run.global_step} (first: "
                 f"{scores.first_error}); fix it, or raise reward_model.max_error_ratio"
             )
         if scores.first_error:
-            self.tracker.warn(
-                f"reward function {self.reward_fn.name}: {scores.errors} failed calls, "
+            run.tracker.warn(
+                f"reward function {run.reward_fn.name}: {scores.errors} failed calls, "
                 f"first: {scores.first_error}"
             )
         return scores
@@ -201,14 +205,14 @@ class Trainer(Run):
     ) -> TrainBatch:
         """Rollouts as tensors with what the update needs: old logprobs, rollout importance
         weights, reference logprobs and advantages."""
-        cfg = self.cfg
-        batch = TrainBatch.collate(rollouts, self.tokenizer.pad_token_id)
+        run, cfg = self.run, self.run.cfg
+        batch = TrainBatch.collate(rollouts, run.tokenizer.pad_token_id)
         rollout_logprobs = batch.pad_responses([r.current_logprobs for r in rollouts])
         with timed(metrics, "old_log_prob"):
-            if self.rollout_logprobs_are_old_logprobs:
+            if run.rollout_logprobs_are_old_logprobs:
                 batch.old_logprobs = rollout_logprobs
             else:
-                batch.old_logprobs = self.actor.logprobs(batch)
+                batch.old_logprobs = run.actor.logprobs(batch)
         metrics.update(logprob_mismatch(batch.old_logprobs, rollout_logprobs, batch.response_mask))
         off_policy = any(r.behaviour_logprobs is not None for r in rollouts)
         behaviour = batch.pad_responses(  # what each token was sampled with
@@ -224,10 +228,10 @@ class Trainer(Run):
         metrics.update(corrected)
         if cfg.actor.use_kl_loss:
             with timed(metrics, "ref"):
-                batch.ref_logprobs = self.actor.logprobs(batch, reference=True)
-        if self.critic is not None:
+                batch.ref_logprobs = run.actor.logprobs(batch, reference=True)
+        if run.critic is not None:
             with timed(metrics, "values"):
-                batch.values = self.critic.values(batch)
+                batch.values = run.critic.values(batch)
         with timed(metrics, "adv"):
             inputs = AdvantageInputs(
                 torch.tensor(scores.scores).view(-1, cfg.rollout.n),
@@ -240,6 +244,6 @@ class Trainer(Run):
             batch.advantages, batch.returns = compute_advantages(
                 cfg.algorithm.adv_estimator, inputs
             )
-        if self.critic is not None:
+        if run.critic is not None:
             metrics.update(value_metrics(batch.values, batch.returns, batch.response_mask))
         return batch

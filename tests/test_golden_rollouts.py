@@ -100,10 +100,10 @@ def run_digests(policy_dir, out_dir, overrides, threads: int = 2) -> list[tuple[
         "actor.ppo_micro_batch_size=8", "actor.optim.lr=0.01", f"trainer.num_threads={threads}", *overrides,
     )  # fmt: skip
     trainer = Trainer(cfg)
-    rollout = trainer.cfg.rollout
+    rollout = trainer.run.cfg.rollout
     sampling = SamplingParams(rollout.temperature, rollout.top_p, rollout.top_k)
     # its own engine over the same model: the recomputation leaves the run's counts alone
-    engine = trainer.rollouts.engine
+    engine = trainer.run.rollouts.engine
     scorer = HFEngine(engine.model, engine.eos_token_ids, engine.pad_token_id)
     digests = []
     collect = trainer.collect_rollouts

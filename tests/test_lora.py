@@ -29,8 +29,8 @@ LORA = [
 
 
 def _rollouts(trainer: Trainer, step: int = 1):
-    prompts = trainer.loader.next_batch()
-    rollouts, _ = trainer.stage(prompts, trainer.cfg.rollout.n, (0, step, 0), step)
+    prompts = trainer.run.loader.next_batch()
+    rollouts, _ = trainer.run.rollouts(prompts, trainer.run.cfg.rollout.n, (0, step, 0), step)
     return rollouts
 
 
@@ -45,15 +45,15 @@ def test_fresh_adapters_sample_and_score_as_the_base_model(tiny_policy_dir, tmp_
     lora = Trainer(
         small_config(tiny_policy_dir, tmp_path / "lora", *LORA, "actor.use_kl_loss=true")
     )
-    assert peft_model(lora.actor.policy) is not None and lora.actor.reference is None
+    assert peft_model(lora.run.actor.policy) is not None and lora.run.actor.reference is None
     a, b = _rollouts(base), _rollouts(lora)
     assert [r.token_ids for r in a] == [r.token_ids for r in b]
     for x, y in zip(a, b, strict=True):
         assert torch.equal(torch.as_tensor(x.current_logprobs), torch.as_tensor(y.current_logprobs))
-    batch = TrainBatch.collate(b, lora.tokenizer.pad_token_id)
-    policy = lora.actor.logprobs(batch)
-    assert torch.equal(policy, base.actor.logprobs(batch))
-    assert torch.equal(lora.actor.logprobs(batch, reference=True), policy)
+    batch = TrainBatch.collate(b, lora.run.tokenizer.pad_token_id)
+    policy = lora.run.actor.logprobs(batch)
+    assert torch.equal(policy, base.run.actor.logprobs(batch))
+    assert torch.equal(lora.run.actor.logprobs(batch, reference=True), policy)
 
 
 def test_an_update_changes_only_the_adapters_and_the_reference_stays_the_base(
@@ -65,12 +65,12 @@ def test_an_update_changes_only_the_adapters_and_the_reference_stays_the_base(
             "actor.gradient_checkpointing=true",
         )
     )  # fmt: skip
-    policy = trainer.actor.policy
+    policy = trainer.run.actor.policy
     frozen = _frozen(policy)
     adapters = {n: p.detach().clone() for n, p in policy.named_parameters() if p.requires_grad}
     assert adapters and all(".lora_" in n for n in adapters)
-    assert len(trainer.actor.optimizer.param_groups[0]["params"]) == len(adapters)
-    trainer.global_step = 1
+    assert len(trainer.run.actor.optimizer.param_groups[0]["params"]) == len(adapters)
+    trainer.run.global_step = 1
     metrics = trainer.train_step()
     assert metrics["actor/skipped_updates"] == 0
     assert all(torch.equal(p, frozen[n]) for n, p in _frozen(policy).items())
@@ -80,13 +80,15 @@ def test_an_update_changes_only_the_adapters_and_the_reference_stays_the_base(
         if p.requires_grad and not torch.equal(p, adapters[n])
     ]
     assert any("lora_B" in n for n in changed)
-    batch = TrainBatch.collate(_rollouts(trainer, 2), trainer.tokenizer.pad_token_id)
+    batch = TrainBatch.collate(_rollouts(trainer, 2), trainer.run.tokenizer.pad_token_id)
     base = AutoModelForCausalLM.from_pretrained(tiny_policy_dir).eval()
-    reference = trainer.actor.logprobs(batch, reference=True)
+    reference = trainer.run.actor.logprobs(batch, reference=True)
     with torch.no_grad():
-        trainer.actor.reference = base  # the base model as a separate copy scores the same
-        assert torch.allclose(trainer.actor.logprobs(batch, reference=True), reference, atol=1e-6)
-    assert not torch.allclose(trainer.actor.logprobs(batch), reference, atol=1e-4)
+        trainer.run.actor.reference = base  # the base model as a separate copy scores the same
+        assert torch.allclose(
+            trainer.run.actor.logprobs(batch, reference=True), reference, atol=1e-6
+        )
+    assert not torch.allclose(trainer.run.actor.logprobs(batch), reference, atol=1e-4)
 
 
 # the value model with adapters too: its body's adapters and its head are in the checkpoint
@@ -112,7 +114,7 @@ def test_a_lora_checkpoint_holds_the_adapters_and_resumes_metric_for_metric(
     assert all(".lora_" in k or ".score." in k for k in saved)
     assert any(".score." in k for k in saved)
     resumed = Trainer(small_config(tiny_policy_dir, split, *spec, "trainer.total_training_steps=4"))
-    assert resumed.global_step == 2
+    assert resumed.run.global_step == 2
     resumed.fit()
     a, b = comparable(read_metrics(straight)), comparable(read_metrics(split))
     assert b[3]["spec/draft_ratio"] == 1
@@ -138,7 +140,7 @@ def test_adapters_resume_only_on_their_base_and_export_merges_them(
     out = tmp_path / "merged"
     assert main(["export", str(checkpoint), str(out)]) == 0
     merged = AutoModelForCausalLM.from_pretrained(out).eval()
-    expected = merged_state(peft_model(trainer.actor.policy))
+    expected = merged_state(peft_model(trainer.run.actor.policy))
     assert merged.state_dict().keys() == expected.keys()
     for name, tensor in merged.state_dict().items():
         assert torch.allclose(tensor, expected[name], atol=1e-6), name

@@ -66,7 +66,7 @@ def test_resume_at_an_epoch_boundary_with_speculation_matches_the_straight_run(
     split = tmp_path / "split"
     Trainer(small_config(tiny_policy_dir, split, *spec, "trainer.total_training_steps=2")).fit()
     resumed = Trainer(small_config(tiny_policy_dir, split, *spec, "trainer.total_training_steps=4"))
-    assert resumed.global_step == 2 and resumed.resume_from.name == "global_step_2"
+    assert resumed.run.global_step == 2 and resumed.run.resume_from.name == "global_step_2"
     resumed.fit()
     a, b = comparable(read_metrics(straight)), comparable(read_metrics(split))
     assert [m["training/global_step"] for m in b] == [0, 1, 2, 3, 4]
@@ -94,7 +94,7 @@ def test_resume_disable_starts_over_and_max_ckpt_to_keep_prunes(tiny_policy_dir,
         "global_step_3",
     ]
     again = Trainer(small_config(tiny_policy_dir, tmp_path, "trainer.resume_mode=disable"))
-    assert again.global_step == 0 and again.resume_from is None
+    assert again.run.global_step == 0 and again.run.resume_from is None
 
 
 def test_resuming_with_a_changed_config_names_the_changes_and_refuses_what_breaks_it(
@@ -105,7 +105,7 @@ def test_resuming_with_a_changed_config_names_the_changes_and_refuses_what_break
     with pytest.raises(CheckpointError, match=r"data\.train_size: 16 → 32: a resumed run cannot"):
         Trainer(small_config(tiny_policy_dir, tmp_path, "data.train_size=32"))
     resumed = Trainer(small_config(tiny_policy_dir, tmp_path, "rollout.n=2"))
-    assert resumed.global_step == 1
+    assert resumed.run.global_step == 1
     err = " ".join(capsys.readouterr().err.split())
     assert "resuming with a changed config (rollout.n: 4 → 2)" in err
     kept = tmp_path / "config.step1.yaml"
@@ -164,7 +164,7 @@ def test_sigkill_during_a_checkpoint_save_leaves_the_last_good_one(tiny_policy_d
     last = latest_checkpoint(run)
     assert last is not None and not last.name.endswith(".tmp")
     resumed = Trainer(load_config(None, [*overrides, "trainer.save_freq=0"]))
-    step = resumed.global_step
+    step = resumed.run.global_step
     assert step == int(last.name.removeprefix("global_step_")) >= 1
     resumed.fit()
     steps = [m["training/global_step"] for m in read_metrics(run)]
@@ -196,7 +196,7 @@ def test_non_finite_losses_are_skipped_then_stop_the_run_after_saving(
         "trainer.save_freq=0",
     )
     trainer = Trainer(cfg)
-    before = {k: v.clone() for k, v in trainer.actor.policy.state_dict().items()}
+    before = {k: v.clone() for k, v in trainer.run.actor.policy.state_dict().items()}
     with pytest.raises(TrainingDivergedError, match="2 steps in a row had non-finite losses"):
         trainer.fit()
     steps = read_metrics(tmp_path)[1:]
@@ -204,5 +204,5 @@ def test_non_finite_losses_are_skipped_then_stop_the_run_after_saving(
     assert all(m["actor/skipped_updates"] > 0 for m in steps)
     assert (tmp_path / "checkpoints" / "global_step_2" / "trainer_state.pt").is_file()
     assert all(
-        torch.equal(before[k], v) for k, v in trainer.actor.policy.state_dict().items()
+        torch.equal(before[k], v) for k, v in trainer.run.actor.policy.state_dict().items()
     )  # never applied

@@ -144,14 +144,14 @@ def test_rollout_logprobs_handed_to_the_trainer_equal_recomputed_old_logprobs(
         "rollout.spec.tree.adaptive=false",
     )
     trainer = Trainer(cfg)
-    assert trainer.rollout_logprobs_are_old_logprobs
+    assert trainer.run.rollout_logprobs_are_old_logprobs
     for step in (1, 2):  # with train_size = batch size, step 2 rolls out the same prompts again
-        trainer.global_step = step
+        trainer.run.global_step = step
         metrics = {}
         rollouts, _ = trainer.collect_rollouts(metrics)
-        batch = TrainBatch.collate(rollouts, trainer.tokenizer.pad_token_id)
+        batch = TrainBatch.collate(rollouts, trainer.run.tokenizer.pad_token_id)
         with torch.no_grad():
-            recomputed = trainer.actor.logprobs(batch) * batch.response_mask
+            recomputed = trainer.run.actor.logprobs(batch) * batch.response_mask
         handed = batch.pad_responses([r.current_logprobs for r in rollouts])
         assert torch.allclose(handed, recomputed, atol=1e-4)
     assert metrics.get("spec/reused_token_ratio", 0.0) == (1.0 if spec else 0.0)
@@ -242,7 +242,7 @@ def test_plain_text_for_a_chat_model_and_a_run_without_signal_are_said(tiny_poli
         "8 train and 8 val plain-text prompts are rendered through the model's chat template"
         in out.getvalue()
     )
-    assert trainer.loader.prompts[0].ids[:2] == tuple(tokenizer.encode("##", add_special_tokens=False))  # fmt: skip
+    assert trainer.run.loader.prompts[0].ids[:2] == tuple(tokenizer.encode("##", add_special_tokens=False))  # fmt: skip
     trainer.fit()
     said = out.getvalue()
     assert said.count("every advantage is 0") == 1 and "steps 1-3: every group's scores were equal (scores 0.0)" in said  # fmt: skip

@@ -127,7 +127,7 @@ class LearnerGroup:
         host, port = self._get(self.ranks[0].endpoint.remote())
         self._get([r.join.remote(host, port) for r in self.ranks])
         gae = cfg.algorithm.adv_estimator == "gae"
-        self.critic = _CriticOnRanks(self) if gae else None
+        self.critic = CriticOnRanks(self) if gae else None
         strategy = cfg.actor.strategy
         log(f"learner group: {world} ranks ({strategy}, {'nccl' if gpus else 'gloo'})")
 
@@ -183,7 +183,7 @@ class LearnerGroup:
             self._ray.kill(rank, no_restart=True)
 
 
-class _CriticOnRanks:
+class CriticOnRanks:
     """The critic on the learner ranks (next to the actor, with its strategy): stands where the
     in-process `Critic` stands in the trainer."""
 

@@ -41,6 +41,8 @@ class RolloutWorkersError(UserError):
 
 
 class RolloutWorkers:
+    episodes = None  # multi-turn runs roll out in the trainer's process (the config says so)
+
     def __init__(
         self,
         cfg: Config,

@@ -119,7 +119,7 @@ def test_lora_with_fsdp2_ranks_trains_as_in_one_process(
 def test_a_dead_rank_stops_the_run_with_a_message(ray_cluster, tiny_policy_dir, tmp_path):
     cfg = small_config(tiny_policy_dir, tmp_path, "actor.num_workers=2")
     trainer = Trainer(cfg)
-    ray_cluster.kill(trainer.actor.ranks[1], no_restart=True)
+    ray_cluster.kill(trainer.run.actor.ranks[1], no_restart=True)
     with pytest.raises(LearnerGroupError, match="resume from the last checkpoint"):
         trainer.fit()
 

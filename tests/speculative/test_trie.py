@@ -239,10 +239,10 @@ def toy_run(tmp_path_factory):
     trainer = Trainer(cfg)
     states = []
     for _ in range(4):
-        states.append({k: v.clone() for k, v in trainer.actor.policy.state_dict().items()})
-        trainer.global_step += 1
+        states.append({k: v.clone() for k, v in trainer.run.actor.policy.state_dict().items()})
+        trainer.run.global_step += 1
         trainer.train_step()
-    policy, tokenizer = load_policy(trainer.model_dir, "float32")
+    policy, tokenizer = load_policy(trainer.run.model_dir, "float32")
     prompts, _ = load_prompts(cfg.data, tokenizer, 1, print)
     return prompts[:16], states, policy.eval(), eos_token_ids(policy, tokenizer)
 
