@@ -7,7 +7,7 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
-from specrl.engines.hf.decode import _staying
+from specrl.engines.hf.batch import _staying
 from specrl.engines.hf.kv_cache import DecodeCache
 
 

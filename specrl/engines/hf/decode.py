@@ -20,7 +20,8 @@ from torch.nn.utils.rnn import pad_sequence
 from transformers import DynamicCache
 
 from specrl.engines.accounting import ForwardCounts, causal_attended
-from specrl.engines.hf.kv_cache import DecodeCache, drop_padding, layers_kv, merge
+from specrl.engines.hf.batch import DecodeBatch
+from specrl.engines.hf.kv_cache import DecodeCache, layers_kv, merge
 from specrl.engines.hf.prefix_cache import Hit, PrefixCache
 from specrl.engines.protocol import Drafter, GenRequest, GenResult
 from specrl.engines.sampling import (
@@ -63,49 +64,22 @@ class Decoder:
         if not live:
             return results
         contexts = [list(requests[i].prompt_ids) + list(requests[i].prefix_ids) for i in live]
-        # KV of every context but its last token; that token is the first one fed below.
-        cache, attention = self._prefill(contexts)  # attention [B, W]
-        attention = drop_padding(cache, attention)
-        tokens = torch.tensor([c[-1] for c in contexts], device=self.device)  # [B] fed next
-        positions = torch.tensor([len(c) - 1 for c in contexts], device=self.device)  # theirs
-        rows = torch.tensor(live, device=self.device)  # request index of each batch row
-        left = torch.tensor([requests[i].max_new_tokens for i in live], device=self.device)
-        # The uniform behind each new token, a hash of (seed, position): [B, most new tokens]
-        seeds = torch.tensor([requests[i].seed for i in live], device=self.device)
-        uniforms = _uniform_table(seeds, positions + 1, int(left.max()))
-        done = torch.zeros_like(left)  # new tokens so far
+        batch = DecodeBatch.start(requests, live, contexts, *self._prefill(contexts))
         eos = torch.tensor(sorted(self.eos_token_ids), device=self.device)
-        sampling = RowSampling.of([requests[i].sampling for i in live], self.device)
-        rejected = [requests[i].excluded_tokens for i in live]  # applies to each first new token
         while True:
             started = time.perf_counter()
-            drafts = self._drafts(rows, results, indices, left, rejected)
-            width = max(map(len, drafts))
-            if width:  # [B, K+1]
-                pad = [self.pad_token_id] * width
-                fed = torch.tensor(
-                    [[t, *d, *pad[len(d) :]] for t, d in zip(tokens.tolist(), drafts, strict=True)],
-                    device=self.device,
-                )
-            else:
-                fed = tokens[:, None]
-            proposed = torch.tensor(list(map(len, drafts)), device=self.device)  # [B]
-            cols = torch.arange(width + 1, device=self.device)
-            attention = torch.cat([attention, (cols[None] <= proposed[:, None]).long()], dim=1)
-            logits = self.forward("decode", fed, attention, positions[:, None] + cols, cache)
-            self._count_decode(attention, proposed, fed.shape[1])
-            # columns past a row's own drafts are never emitted; clamped, they read any uniform
-            at = (done[:, None] + cols).clamp(max=uniforms.shape[1] - 1)
-            column_uniforms = uniforms.gather(1, at)  # [B, K+1]
-            sampled, logprobs = self._sample(logits, sampling, column_uniforms, rejected)
+            drafts = self._drafts(batch, results, indices)
+            fed, proposed, cols = batch.feed(drafts, self.pad_token_id)
+            positions = batch.positions[:, None] + cols
+            logits = self.forward("decode", fed, batch.attention, positions, batch.cache)
+            self._count_decode(batch.attention, proposed, fed.shape[1])
+            sampled, logprobs = self._sample(
+                logits, batch.sampling, batch.column_uniforms(cols), batch.rejected
+            )
             accepted = _accepted(sampled, fed, proposed)  # [B] draft tokens kept
-            emitted = (accepted + 1).minimum(left)  # drafts never exceed left - 1; a guard
-            is_eos = torch.isin(sampled, eos) & (cols[None] < emitted[:, None])
-            stopped = is_eos.any(1)
-            emitted = torch.where(stopped, is_eos.int().argmax(1) + 1, emitted)
-            left, done = left - emitted, done + emitted
+            emitted, stopped = batch.emit(sampled, accepted, cols, eos)
             for row, n, k, a, new, lps in zip(
-                rows.tolist(),
+                batch.rows.tolist(),
                 emitted.tolist(),
                 proposed.tolist(),
                 accepted.tolist(),
@@ -119,9 +93,9 @@ class Decoder:
                 result.forwards += 1
                 result.draft_tokens += k
                 result.accepted_tokens += a
-            finished = stopped | (left <= 0)
+            finished = stopped | (batch.left <= 0)
             for row, was_stopped in zip(
-                rows[finished].tolist(), stopped[finished].tolist(), strict=True
+                batch.rows[finished].tolist(), stopped[finished].tolist(), strict=True
             ):
                 results[row].finish_reason = _reason(was_stopped)
                 if drafter is not None:
@@ -136,21 +110,7 @@ class Decoder:
                 )
             if bool(finished.all()):
                 return results
-            if width:  # the cache keeps the fed token and accepted drafts; mask out the rest
-                attention[:, -(width + 1) :] = (cols[None] <= accepted[:, None]).long()
-            tokens = sampled.gather(1, accepted[:, None]).squeeze(1)
-            positions = positions + accepted + 1
-            if bool(finished.any()):
-                keep = _staying(finished)
-                cache.keep_rows(keep)
-                rows, tokens, positions, left, done, uniforms, attention = (
-                    t[keep] for t in (rows, tokens, positions, left, done, uniforms, attention)
-                )
-                sampling = sampling.select(keep)
-                attention = drop_padding(cache, attention)
-            rejected = [()] * len(rows)
-            if width and _sparse(attention):
-                attention = cache.compact(attention)
+            batch.advance(sampled, accepted, cols, finished)
 
     def _count_decode(self, attention: torch.Tensor, proposed: torch.Tensor, width: int) -> None:
         """One decode forward: each row's fed token and its drafts (`proposed` [B]) after the
@@ -215,23 +175,19 @@ class Decoder:
         return requests
 
     def _drafts(
-        self,
-        rows: torch.Tensor,
-        results: list[GenResult],
-        indices: list[int],
-        left: torch.Tensor,
-        rejected: list[tuple[int, ...]],
+        self, batch: DecodeBatch, results: list[GenResult], indices: list[int]
     ) -> list[list[int]]:
         """Draft tokens per batch row, cut after an end-of-sequence token and to the width the
         controller chooses; none for a row whose first token is drawn from a residual."""
         drafter = self.drafter
         if drafter is None:
-            return [[] for _ in range(len(rows))]
-        if not drafter.worthwhile(len(rows)):
+            return [[] for _ in range(len(batch))]
+        if not drafter.worthwhile(len(batch)):
             drafter.choose([])
-            return [[] for _ in range(len(rows))]
+            return [[] for _ in range(len(batch))]
         drafts, cap = [], drafter.max_tokens  # no forward verifies more than K
-        for row, room, reject in zip(rows.tolist(), left.tolist(), rejected, strict=True):
+        rows, left = batch.rows.tolist(), batch.left.tolist()
+        for row, room, reject in zip(rows, left, batch.rejected, strict=True):
             draft = []
             if not reject and room > 1:
                 most = min(room - 1, cap)
@@ -265,7 +221,7 @@ class Decoder:
         sampled = sampled.view(batch, columns)
         return sampled, logprobs.gather(2, sampled[..., None]).squeeze(2)
 
-    def _prefill(self, contexts: list[list[int]]) -> tuple[DynamicCache, torch.Tensor]:
+    def _prefill(self, contexts: list[list[int]]) -> tuple[DecodeCache, torch.Tensor]:
         """KV cache and attention mask [B, W] for each context minus its last token. Rows whose
         tokens were verified into `prefixes` take the KV of those tokens from there (`_hit_kv`); the
         rest are computed in one forward pass, each distinct context once."""
@@ -318,28 +274,6 @@ def _accepted(sampled: torch.Tensor, fed: torch.Tensor, proposed: torch.Tensor) 
     cols = torch.arange(fed.shape[1] - 1, device=fed.device)
     match = (sampled[:, :-1] == fed[:, 1:]) & (cols[None] < proposed[:, None])
     return match.int().cumprod(1).sum(1)
-
-
-def _sparse(attention: torch.Tensor) -> bool:
-    """Whether the KV cache is more than twice as wide as the longest row needs (attention
-    [B, W]): rejected drafts, or other branches of a trie, masked out."""
-    return attention.shape[1] > 2 * int(attention.sum(1).max()) + 32
-
-
-def _staying(finished: torch.Tensor) -> torch.Tensor:
-    """The batch rows that stay, as the new row order: row i stays in place, and the slot of a
-    finished row among the first B' is taken by a staying row from past B', so only those rows'
-    KV has to move (`DecodeCache.keep_rows`)."""
-    staying = (~finished).nonzero().squeeze(1)
-    keep = torch.arange(len(staying), device=finished.device)
-    keep[finished[: len(staying)]] = staying[staying >= len(staying)]
-    return keep
-
-
-def _uniform_table(seeds: torch.Tensor, first: torch.Tensor, width: int) -> torch.Tensor:
-    """seeded_uniform of every row's next `width` positions, from `first` [B] on: [B, width]."""
-    positions = first[:, None] + torch.arange(width, device=first.device)
-    return seeded_uniform(seeds[:, None].expand_as(positions), positions)
 
 
 def _reason(stopped: bool) -> FinishReason:
