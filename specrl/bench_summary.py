@@ -29,7 +29,8 @@ def summarize(
     and token counts are totals over all seeds (summed `RolloutStats`), final accuracies the
     mean over seeds (each seed's under `arms.<arm>.final_acc_per_seed`) of the held-out figure
     named by `heldout_metric`: accuracy where the reward states it, else the reward. Each arm's
-    `windows` give the same figures per `window` steps (every seed's steps of the window)."""
+    `windows` give the same figures per `window` steps (every seed's steps of the window), its
+    `per_seed` the run of each seed against vanilla's run of that seed."""
     steps = {arm: [m for h in hs for m in _train_steps(h)] for arm, hs in runs.items()}
     totals = {arm: RolloutStats.of_steps(s) for arm, s in steps.items()}
     heldout, _ = heldout_metric([m for hs in runs.values() for h in hs for m in h])
@@ -61,6 +62,7 @@ def summarize(
             "step_speedup": step_time["vanilla"] / step_time[arm],
             "final_acc": _mean(final[arm]),
             "final_acc_per_seed": final[arm],
+            "per_seed": _per_seed(runs[arm], runs["vanilla"], seeds, heldout),
             "second_half_acc": _mean([_second_half(h, heldout) for h in runs[arm]]),
             "response_tokens": total.response_tokens,
             "decoded_tokens": total.decoded_tokens,
@@ -103,6 +105,30 @@ def summarize(
         device=torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
     )
     return result
+
+
+def _per_seed(
+    histories: list[list[dict[str, float]]],
+    vanilla: list[list[dict[str, float]]],
+    seeds: Sequence[int],
+    heldout: str,
+) -> dict[str, dict[str, float | None]]:
+    """Per seed: rollout seconds, speedups against vanilla's run of the same seed (whole run and
+    after epoch 0), reuse and the final held-out figure."""
+    out = {}
+    for seed, history, base in zip(seeds, histories, vanilla, strict=True):
+        steps, base_steps = _train_steps(history), _train_steps(base)
+        total, base_total = RolloutStats.of_steps(steps), RolloutStats.of_steps(base_steps)
+        later = _total(_epochs(steps, 1), "timing_s/rollout")
+        out[str(seed)] = {
+            "rollout_time_s": total.rollout_s,
+            "rollout_speedup": base_total.rollout_s / total.rollout_s,
+            "rollout_speedup_after_epoch0": _total(_epochs(base_steps, 1), "timing_s/rollout")
+            / max(later, 1e-9),
+            "reused_token_ratio": total.ratios()["spec/reused_token_ratio"],
+            "final_acc": _last(history, heldout),
+        }
+    return out
 
 
 def _spec_rl(

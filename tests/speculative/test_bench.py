@@ -109,6 +109,13 @@ def test_bench_pools_seeds(tiny_policy_dir, tmp_path):
         assert result["arms"][arm]["final_acc"] == pytest.approx(sum(finals) / 2)
         rollout = sum(m.get("timing_s/rollout", 0) for h in histories for m in h)
         assert result["arms"][arm]["rollout_time_s"] == pytest.approx(rollout)
+        per_seed = result["arms"][arm]["per_seed"]
+        for seed, h in zip(("3", "4"), histories, strict=True):
+            seconds = sum(m.get("timing_s/rollout", 0) for m in h)
+            assert per_seed[seed]["rollout_time_s"] == pytest.approx(seconds)
+            assert per_seed[seed]["final_acc"] == finals[int(seed) - 3]
+        vanilla_s = result["arms"]["vanilla"]["per_seed"]["3"]["rollout_time_s"]
+        assert per_seed["3"]["rollout_speedup"] == pytest.approx(vanilla_s / per_seed["3"]["rollout_time_s"])  # fmt: skip
     # different seeds sample different responses
     assert histories[0][1]["response_length/mean"] != histories[1][1]["response_length/mean"]
 
