@@ -1,9 +1,9 @@
 """Golden rollouts: fixed seeds give the same rollouts through refactors, on any machine. Seven
 arms over four training steps of the built-in task (two epochs, so the second epoch reuses
 drafts and tries from a policy two updates older); the width of tree drafts is fixed and the
-trie budget off (the adaptive width and what the budget verifies follow timings; the rollouts of
-a pruned trie are checked in tests/speculative/test_trie.py). The token ids (and finish reasons) of every step are hashed and
-compared exactly: a changed hash is a change of behaviour, explained in the commit that updates it.
+verification budgets off (the adaptive width and what the budgets verify follow timings; the
+rollouts of a pruned trie and of cut drafts are checked in tests/speculative/test_trie.py and
+test_stage.py). The token ids (and finish reasons) of every step are hashed and compared exactly: a changed hash is a change of behaviour, explained in the commit that updates it.
 
 Logprobs are not pinned: float reductions depend on torch's thread count and the CPU's vector
 instructions (AVX2 and AVX-512 kernels differ in the last bits; sums pinned on an AVX2 machine
@@ -26,15 +26,16 @@ from tests.conftest import read_metrics, save_tiny_policy, small_config
 ARMS = {
     "vanilla": ["rollout.spec.enabled=false", "rollout.spec.tree.enabled=false"],
     "lenient": ["rollout.spec.enabled=true", "rollout.spec.acceptance=specrl",
-                "rollout.spec.tree.enabled=false"],
+                "rollout.spec.tree.enabled=false", "rollout.spec.verify_budget=false"],
     "exact": ["rollout.spec.enabled=true", "rollout.spec.acceptance=exact",
-              "rollout.spec.reuse=slot", "rollout.spec.tree.enabled=false"],
+              "rollout.spec.reuse=slot", "rollout.spec.tree.enabled=false",
+              "rollout.spec.verify_budget=false"],
     "lenient+tree": ["rollout.spec.enabled=true", "rollout.spec.acceptance=specrl",
                      "rollout.spec.tree.enabled=true", "rollout.spec.tree.adaptive=false",
-                     "rollout.spec.tree.online=true"],
+                     "rollout.spec.tree.online=true", "rollout.spec.verify_budget=false"],
     "exact+tree": ["rollout.spec.enabled=true", "rollout.spec.acceptance=exact",
                    "rollout.spec.reuse=slot", "rollout.spec.tree.enabled=true",
-                   "rollout.spec.tree.adaptive=false"],
+                   "rollout.spec.tree.adaptive=false", "rollout.spec.verify_budget=false"],
     "trie": ["rollout.spec.enabled=true", "rollout.spec.acceptance=exact",
              "rollout.spec.reuse=trie", "rollout.spec.tree.enabled=false",
              "rollout.spec.verify_budget=false"],

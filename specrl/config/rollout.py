@@ -76,7 +76,9 @@ class SpecConfig(Section):
         description="reuse=trie: verify only the nodes of a prompt's history trie whose expected "
         "saving (slots expected to reach them x the measured seconds of a decoded token) exceeds "
         "their measured cost; a pruned node is where a walk leaves the trie, so the rollouts are "
-        "the same. false: verify every node",
+        "the same. reuse=slot (verify_mode full or chunked): verify each stored draft only as "
+        "far as the rule is expected to accept it often enough to pay; decoding continues "
+        "after the verified part. false: verify everything",
     )
     verify_chunk_size: int = Field(
         16, ge=1, description="draft tokens per pass in chunked verification"

@@ -52,6 +52,7 @@ class RolloutStats:
     trie_prompts_skipped: int = 0  # prompts with a history where no node paid its verification
     trie_nodes_stored: int = 0  # nodes of the tries of prompts with walkers (verified or not)
     trie_expected_tokens: float = 0.0  # reused tokens the budget expected of the nodes verified
+    drafts_skipped: int = 0  # stored drafts not verified at all: no token of them paid (slot)
     slowest_forwards: int = 0  # Σ over calls of the most decode forwards one slot took
     verify_s: float = 0.0
     gen_s: float = 0.0
@@ -78,6 +79,9 @@ class RolloutStats:
     trie_token_cost_s: float = field(default=0.0, metadata=GAUGE)
     trie_row_cost_s: float = field(default=0.0, metadata=GAUGE)
     trie_drift: float = field(default=0.0, metadata=GAUGE)
+    # per-slot drafts: the most draft tokens the budget verified (-1: all), the accept rate α
+    draft_verify_limit: int = field(default=-1, metadata=GAUGE)
+    draft_accept_rate: float = field(default=0.0, metadata=GAUGE)
     compute: ForwardCounts = field(default_factory=ForwardCounts)  # the engine's forwards
 
     def __add__(self, other: RolloutStats) -> RolloutStats:
@@ -221,13 +225,14 @@ class RolloutStats:
     def _applies(self, name: str) -> bool:
         if name.startswith("tree_") or name in DECODE_DRAFT_COUNTS:
             return self.decode_drafts
-        if name.startswith("trie_"):
+        if name.startswith("trie_") or name in SLOT_BUDGET:
             return self.speculative
         if name in WORKER_COUNTS:
             return self.workers > 0
         return self.lenient or not name.startswith("behaviour_")
 
 
+SLOT_BUDGET = ("drafts_skipped", "draft_verify_limit", "draft_accept_rate")
 DECODE_DRAFT_COUNTS = (
     "draft_forwards",
     "draft_output_tokens",
@@ -286,6 +291,9 @@ METRIC_NAMES = {
     "trie_token_cost_s": "timing_s/trie_token_cost",
     "trie_row_cost_s": "timing_s/trie_row_cost",
     "trie_drift": "spec/trie/drift",
+    "drafts_skipped": "spec/slot/drafts_skipped",
+    "draft_verify_limit": "spec/slot/verify_limit",
+    "draft_accept_rate": "spec/slot/accept_rate",
     "slowest_forwards": "perf/slowest_slot_forwards",
     "verify_s": "timing_s/verify",
     "gen_s": "timing_s/gen",

@@ -9,6 +9,7 @@ from specrl.engines import GREEDY, Capabilities, LogprobRequest, SamplingParams
 from specrl.engines.hf import HFEngine
 from specrl.errors import UserError
 from specrl.rollouts import sample_rollouts
+from specrl.speculative.reuse.budget import DraftBudget
 from specrl.speculative.stage import SpeculativeStage
 from specrl.types import Example, Prompt, Rollout
 from tests.conftest import EOS, PAD, make_tiny_model
@@ -146,6 +147,69 @@ def test_exact_rule_matches_the_target_distribution_with_adversarial_drafts(acce
         assert pvalue > 1e-3
     else:
         assert pvalue < 1e-6
+
+
+class DraftPrices(DraftBudget):
+    """A draft budget at fixed prices (seconds per verified position and per decoded token), so
+    that what it verifies does not depend on this machine's speed; α is still fitted."""
+
+    def __init__(self, node_cost: float, token_cost: float) -> None:
+        super().__init__()
+        self.prices = node_cost, token_cost
+
+    @property
+    def node_cost(self) -> float:
+        return self.prices[0]
+
+    def token_cost(self, reuse: float) -> float:
+        return self.prices[1]
+
+
+def test_the_draft_budget_verifies_the_prefix_whose_expected_saving_pays():
+    """Token j of a draft is reused with probability ≈ α^j (α: the rule's accept rate, fitted
+    from the cuts); it is verified while α^j · c_token > c_node."""
+    budget = DraftBudget()
+    assert budget.limit([10, 10]) is None  # nothing measured: every token
+    budget.observe_verify(1.0, 100)  # c_node = 0.01 s
+    budget.observe_decode(1.0, 10)  # c_token = 0.1 s (no fit of decode rows: the average)
+    assert budget.limit([10, 10]) is None  # no rejection seen: α = 1
+    budget.observe_cuts(9, 1)  # α = (9 + 1) / (9 + 1 + 1)
+    alpha = 10 / 11
+    limit = budget.limit([40, 40])
+    assert alpha**limit * 0.1 > 0.01 >= alpha ** (limit + 1) * 0.1 and limit == 24
+    budget.observe_cuts(0, 100)  # α = 8.2 / 109 after decay: not even the first token pays
+    assert budget.limit([40]) == 0
+    for _ in range(60):  # nothing verified for a while: the evidence decays, α returns to 1
+        budget.observe_cuts(0, 0)
+    assert budget.accept_rate > 0.99 and budget.limit([40]) > 40
+    assert DraftBudget(enabled=False).limit([40]) is None
+
+
+@pytest.mark.parametrize("node_cost", [0.5, 2.0], ids=["first-token", "nothing-pays"])
+def test_drafts_cut_by_the_budget_keep_the_exact_rule_distributed_as_the_policy(node_cost):
+    """The adversarial drafts above, verified only as far as the budget pays (one token of
+    three; or none: then no verification forward runs and every slot decodes from its prompt):
+    the rollouts are still the policy's samples (chi-square, p > 1e-3)."""
+    vocab, max_len, n = 5, 3, 20_000
+    prompt = Prompt((2, 3), Example("p", "", "test"))
+    target, drafter = target_and_drafter(vocab, n)
+    spec = SpeculativeStage(
+        target, SAMPLING, max_len, SpecConfig(enabled=True, acceptance="exact", reuse="slot", tree=NO_TREE)
+    )  # fmt: skip
+    spec.reuse.budget = DraftPrices(node_cost=node_cost, token_cost=1.0)
+    spec.reuse.budget.observe_cuts(1, 1)  # α = 2/3: 2/3 > 0.5 > 4/9 pays for one token
+    for r in sample_rollouts(drafter, [prompt], n, SAMPLING, max_len, ("draft",), 0):
+        spec.store.put(r)
+    before = target.counts.verify_forwards
+    rollouts, stats = spec([prompt], n, ("spec",), 1)
+    if node_cost < 1:
+        assert stats.draft_verify_limit == 1 and stats.verified_tokens == n
+        assert 0 < stats.reused_tokens <= n
+    else:
+        assert stats.draft_verify_limit == 0 and stats.drafts_skipped == n
+        assert stats.verified_tokens == stats.reused_tokens == 0
+        assert target.counts.verify_forwards == before
+    assert distribution_pvalue(target, prompt, rollouts, vocab, max_len) > 1e-3
 
 
 def test_specrl_behaviour_logprobs_are_what_responses_are_sampled_with():

@@ -4,8 +4,8 @@ engine's capabilities (`reuse_strategy`):
 - `trie` (`TrieReuse`, trie.py): each prompt's history trie verified in one pass, as far as it
   pays (`TrieBudget`, budget.py), every slot walked down it with vanilla decoding's uniforms (the
   exact rule's default);
-- `slot` (`SlotReuse`, slot.py): each slot's stored draft verified in one pass (or in chunks) and
-  cut by the acceptance rule (SPEC-RL);
+- `slot` (`SlotReuse`, slot.py): each slot's stored draft verified in one pass (or in chunks), as
+  far as it pays (`DraftBudget`, budget.py), and cut by the acceptance rule (SPEC-RL);
 - `slot-in-decoding` (`SlotReuseInDecoding`, slot.py): each slot's stored draft verified inside
   decoding (`verify_mode=decoding`, the exact rule);
 - `none` (`Reuse`, base.py): speculation off.
@@ -22,7 +22,7 @@ from specrl.speculative.acceptance import AcceptanceRule
 from specrl.speculative.drafting import DraftWidth
 from specrl.speculative.prompt_state import PromptState
 from specrl.speculative.reuse.base import Reuse
-from specrl.speculative.reuse.budget import TrieBudget
+from specrl.speculative.reuse.budget import DraftBudget, TrieBudget
 from specrl.speculative.reuse.slot import SlotReuse, SlotReuseInDecoding
 from specrl.speculative.reuse.trie import TrieReuse
 
@@ -38,7 +38,7 @@ def reuse_strategy(
     width: DraftWidth,
 ) -> Reuse:
     """The strategy `rollout.spec` asks for, checked against what `engine` can do (`width`: the
-    stage's fit of decode forwards, which prices a decoded token for the trie budget)."""
+    stage's fit of decode forwards, which prices a decoded token for the budgets)."""
     capabilities = engine.capabilities
     if not cfg.enabled:
         return Reuse()
@@ -61,4 +61,5 @@ def reuse_strategy(
                 "or a vllm engine built with draft_tokens); use verify_mode=full"
             )
         return SlotReuseInDecoding(prompts.store)
-    return SlotReuse(engine, rule, prompts.store, sampling, cfg)
+    budget = DraftBudget(cfg.verify_budget, width)
+    return SlotReuse(engine, rule, prompts.store, sampling, cfg, budget)

@@ -1,5 +1,8 @@
-"""`TrieBudget`: which nodes of a prompt's history trie are worth verifying.
+"""How much history is worth verifying: `TrieBudget`, the nodes of a prompt's history trie;
+`DraftBudget`, the tokens of a slot's stored draft. Both weigh what verifying a token costs
+against what reusing one saves (`VerifyCosts`).
 
+**Tries.**
 Verifying node v costs one position of a trie pass (c_node seconds); it saves one decoded token
 (c_token seconds) for every slot whose walk reaches v. The walk follows the current policy, and
 the trie already holds an estimate of where it goes: the responses of earlier rollouts, sampled by
@@ -30,10 +33,21 @@ prior of one predicted move taken pulls it back to 1 where nothing was verified 
 stopped verifying (early RL, the policy far from its history) tries again later, on the nodes
 near the roots first. Until both costs have been measured every node is verified. The budget is
 not checkpointed: a resumed run measures its machine again (one trie pass verifies everything).
+
+**Drafts** (`reuse=slot`, verified in one pass or in chunks). A slot's draft token j is reused only
+when the rule accepts it and every token before it: with probability ≈ α^j, α the rule's per-token
+accept rate, fitted from the cuts (tokens accepted against tokens accepted plus rejections,
+decayed, with the same prior of one accepted token). Token j is verified while α^j · c_token
+exceeds c_node, c_node being the verification passes' seconds per position (context and draft)
+and c_token priced as for tries, with r the share of the drafts' tokens expected to be reused.
+The verified part is a prefix of the draft; a draft all of whose verified prefix is accepted is
+continued by decoding from there, as if the draft had ended there (nothing was rejected, so no
+residual): under the exact rule the rollouts stay distributed as the policy's samples.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -51,9 +65,10 @@ class Selection:
     expected_tokens: float
 
 
-class TrieBudget:
-    """`width`: the stage's draft-width controller, whose fit of decode forwards prices a
-    token (None: decoding's average seconds per token)."""
+class VerifyCosts:
+    """c_node and c_token, measured on the engine's calls; `width`: the stage's draft-width
+    controller, whose fit of decode forwards prices a token (None: decoding's average seconds
+    per token). `enabled` false: everything is verified."""
 
     def __init__(
         self, enabled: bool = True, width: DraftWidth | None = None, decay: float = 0.8
@@ -61,15 +76,13 @@ class TrieBudget:
         self.enabled = enabled
         self.width = width
         self.decay = decay
-        # decayed sums: [seconds, positions] of trie passes, [seconds, tokens] of decoding,
-        # [moves taken, moves predicted] of walks
+        # decayed sums: [seconds, positions] of verification passes, [seconds, tokens] of decoding
         self._verify = np.zeros(2)
         self._decode = np.zeros(2)
-        self._moves = np.zeros(2)
 
     @property
     def node_cost(self) -> float | None:
-        """Seconds a trie pass spends per position (None: not measured yet)."""
+        """Seconds a verification pass spends per position (None: not measured yet)."""
         return self._verify[0] / self._verify[1] if self._verify[1] > 0 else None
 
     @property
@@ -91,6 +104,21 @@ class TrieBudget:
         if average is None or row is None or row >= average:
             return average
         return row + (average - row) * reuse
+
+    def observe_verify(self, seconds: float, positions: int) -> None:
+        self._verify = self.decay * self._verify + (seconds, positions)
+
+    def observe_decode(self, seconds: float, tokens: int) -> None:
+        if tokens:
+            self._decode = self.decay * self._decode + (seconds, tokens)
+
+
+class TrieBudget(VerifyCosts):
+    def __init__(
+        self, enabled: bool = True, width: DraftWidth | None = None, decay: float = 0.8
+    ) -> None:
+        super().__init__(enabled, width, decay)
+        self._moves = np.zeros(2)  # decayed [moves taken, moves predicted] of walks
 
     @property
     def drift(self) -> float:
@@ -120,12 +148,39 @@ class TrieBudget:
             nodes = np.flatnonzero(reach * token_cost > node_cost)
         return Selection(nodes.tolist(), float(reach[nodes].sum()))
 
-    def observe_verify(self, seconds: float, positions: int) -> None:
-        self._verify = self.decay * self._verify + (seconds, positions)
-
-    def observe_decode(self, seconds: float, tokens: int) -> None:
-        if tokens:
-            self._decode = self.decay * self._decode + (seconds, tokens)
-
     def observe_walks(self, moves: float, predicted: float) -> None:
         self._moves = self.decay * self._moves + (moves, predicted)
+
+
+class DraftBudget(VerifyCosts):
+    def __init__(
+        self, enabled: bool = True, width: DraftWidth | None = None, decay: float = 0.8
+    ) -> None:
+        super().__init__(enabled, width, decay)
+        self._cuts = np.zeros(2)  # decayed [tokens accepted, rejections] of verified drafts
+
+    @property
+    def accept_rate(self) -> float:
+        """α: the rule's accepted tokens per token it decided on (at most 1)."""
+        accepted, rejected = self._cuts
+        return (accepted + 1.0) / (accepted + rejected + 1.0)
+
+    def limit(self, lengths: list[int]) -> int | None:
+        """The most tokens of a draft worth verifying, for drafts of these lengths (None: all of
+        them, while the costs are unknown or with the budget off)."""
+        alpha = self.accept_rate
+        if alpha >= 1.0 or sum(lengths) == 0:
+            return None
+        # the share of the drafts' tokens expected to be reused, were all verified
+        expected = sum(alpha * (1 - alpha**n) / (1 - alpha) for n in lengths)
+        node_cost, token_cost = self.node_cost, self.token_cost(expected / sum(lengths))
+        if not self.enabled or node_cost is None or token_cost is None:
+            return None
+        if token_cost * alpha <= node_cost:
+            return 0
+        # α^j · c_token > c_node  ⟺  j < log(c_node / c_token) / log α
+        bound = math.log(node_cost / token_cost) / math.log(alpha)
+        return math.ceil(bound) - 1 if bound == math.ceil(bound) else math.floor(bound)
+
+    def observe_cuts(self, accepted: int, rejected: int) -> None:
+        self._cuts = self.decay * self._cuts + (accepted, rejected)

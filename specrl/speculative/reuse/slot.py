@@ -1,7 +1,8 @@
 """Per-slot drafts (`rollout.spec.reuse=slot`, SPEC-RL): each slot's stored draft, its last
 response, verified by the current policy, cut by the acceptance rule, continued from the cut.
-`SlotReuse` verifies drafts in one pass before decoding (or in chunks); `SlotReuseInDecoding`
-hands them to decoding, which verifies them as it goes (`verify_mode=decoding`, exact rule)."""
+`SlotReuse` verifies drafts in one pass before decoding (or in chunks), as far as its budget finds
+it pays (`DraftBudget`, budget.py); `SlotReuseInDecoding` hands them to decoding, which verifies
+them as it goes (`verify_mode=decoding`, exact rule)."""
 
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ from specrl.rollouts import rollout_seed
 from specrl.speculative.acceptance import AcceptanceRule
 from specrl.speculative.drafting import DraftSource, StoredDrafts
 from specrl.speculative.reuse.base import Reuse
+from specrl.speculative.reuse.budget import DraftBudget
 from specrl.speculative.slots import Reused, Slot, common_prefix
 from specrl.speculative.stats import RolloutStats
 from specrl.speculative.store import RolloutStore, StoredRollout
@@ -42,9 +44,9 @@ class StoredDraftReuse(Reuse):
 
 
 class SlotReuse(StoredDraftReuse):
-    """Each slot's stored draft verified before decoding: `full` verifies every draft token in one
-    pass; `chunked` verifies verify_chunk_size tokens per pass and drops each draft from later
-    passes at its first rejection."""
+    """Each slot's stored draft verified before decoding, up to the budget's limit: `full`
+    verifies every such token in one pass; `chunked` verifies verify_chunk_size tokens per pass
+    and drops each draft from later passes at its first rejection."""
 
     def __init__(
         self,
@@ -53,12 +55,14 @@ class SlotReuse(StoredDraftReuse):
         store: RolloutStore,
         sampling: SamplingParams,
         cfg: SpecConfig,
+        budget: DraftBudget,
     ) -> None:
         super().__init__(store)
         self.engine = engine
         self.rule = rule
         self.sampling = sampling
         self.cfg = cfg
+        self.budget = budget
 
     def before_decoding(
         self, slots: list[Slot], seed_key: tuple, prefixes: Prefixes | None, stats: RolloutStats
@@ -66,15 +70,22 @@ class SlotReuse(StoredDraftReuse):
         """Find each slot's draft, verify the drafts, and set what each slot keeps of its own."""
         started = time.perf_counter()
         attach_drafts(slots, self.store)
+        drafted = [i for i, s in enumerate(slots) if s.draft is not None]
+        limit = self.budget.limit([min(len(slots[i].draft), slots[i].budget) for i in drafted])
+        stats.draft_verify_limit = -1 if limit is None else limit
+        if limit == 0:  # the evidence against verifying decays: later calls probe again
+            self.budget.observe_cuts(0, 0)
+            stats.drafts_skipped += len(drafted)
+            stats.verify_s += time.perf_counter() - started
+            return
         active = [
-            (i, s.draft.token_ids[: s.budget].tolist())
-            for i, s in enumerate(slots)
-            if s.draft is not None
+            (i, slots[i].draft.token_ids[: slots[i].budget][:limit].tolist()) for i in drafted
         ]
         whole = max((len(target) for _, target in active), default=0)
         chunk = self.cfg.verify_chunk_size if self.cfg.verify_mode == "chunked" else whole
         verified: dict[int, list[float]] = {}  # current logprobs of each draft's verified tokens
         offset = 0
+        evidence = np.zeros(4)  # engine seconds, positions computed, tokens accepted, rejections
         while active:
             requests = [
                 LogprobRequest(
@@ -84,7 +95,10 @@ class SlotReuse(StoredDraftReuse):
                 )
                 for i, target in active
             ]
+            engine_s = stats.engine_s
             chunk_logprobs = stats.timed(self.engine.logprobs, requests, prefixes)
+            evidence[0] += stats.engine_s - engine_s
+            evidence[1] += sum(len(r.context_ids) + len(r.target_ids) for r in requests)
             for (i, _), logprobs in zip(active, chunk_logprobs, strict=True):
                 old = slots[i].draft.current_logprobs[offset : offset + len(logprobs)]
                 stats.logprob_drift_sum += float(np.abs(logprobs.numpy() - old).sum())
@@ -100,22 +114,33 @@ class SlotReuse(StoredDraftReuse):
             for (i, target), k in zip(active, cuts, strict=True):
                 if k < len(verified[i]) or len(verified[i]) == len(target):
                     slots[i].reused = self._cut(slots[i], k, verified[i])
+                    evidence[2:] += k, k < len(verified[i])
                 else:
                     still.append((i, target))
             active, offset = still, offset + chunk
+        self.budget.observe_verify(*evidence[:2])
+        self.budget.observe_cuts(*evidence[2:])
         stats.verify_s += time.perf_counter() - started
 
     def _cut(self, s: Slot, k: int, verified: list[float]) -> Reused:
         """A slot's draft cut at k: reused whole when the cut is its end and the draft stopped
         there or filled the slot's budget; else decoding continues from the cut, excluding the
-        rule's residual of the rejected token."""
+        rule's residual of the rejected token (none where every verified token was accepted: the
+        draft, or the part of it the budget verified, ended there)."""
         draft = s.draft
-        whole = k == len(draft)
         tokens = draft.token_ids[:k].tolist()
-        if whole and (draft.finish_reason == "stop" or k >= s.budget):
+        if k == len(draft) and (draft.finish_reason == "stop" or k >= s.budget):
             return Reused(tokens, verified[:k], draft.finish_reason, checked=verified)
-        excluded = () if whole or k >= s.budget else self.rule.residual(int(draft.token_ids[k]))
+        rejected = k < len(verified) and k < s.budget
+        excluded = self.rule.residual(int(draft.token_ids[k])) if rejected else ()
         return Reused(tokens, verified[:k], None, excluded, checked=verified)
+
+    def after_decoding(
+        self, slots: list[Slot], results: dict[int, GenResult], stats: RolloutStats
+    ) -> None:
+        """What decoding cost per token: the budget's price of a token not reused."""
+        self.budget.observe_decode(stats.gen_s, sum(len(r.token_ids) for r in results.values()))
+        stats.draft_accept_rate = self.budget.accept_rate
 
 
 class SlotReuseInDecoding(StoredDraftReuse):
