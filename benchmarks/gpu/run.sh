@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The GPU benchmark in one call: on a fresh single-GPU machine (the torch already there, no
 # package registry), build a larger built-in policy of the default task on the GPU, run the bench
-# arms on the transformers engine on CUDA for a shortened run, and price the same trace for the
-# same device with the cost model (a projection, next to what was measured).
+# arms on the transformers engine on CUDA for a shortened run, price the same trace for the
+# same device with the cost model (a projection, next to what was measured), and profile a
+# vanilla and a trie step of each of the first two epochs (benchmarks/profile_steps.py).
 #
 #   benchmarks/gpu/run.sh [--dry-run] [OUT]       (OUT: default benchmarks/gpu/out, or $OUT)
 #
@@ -66,6 +67,9 @@ echo "policy: $policy (built in $(($(date +%s) - started)) s)" | tee -a "$out/ma
   model.path="$policy" trainer.logger=[jsonl] "${run[@]}"
 "$python" -m specrl project "$out/bench" --device "$project_device" \
   --model "$policy/config.json" --stretch 1,20
+# where a step's time goes, by op: the first step of epochs 0 and 1, vanilla and trie
+"$python" benchmarks/profile_steps.py --out "$out/profile" model.path="$policy" \
+  trainer.logger=[jsonl] "${run[@]}"
 echo "load average at end: $(cut -d' ' -f1-3 /proc/loadavg)" | tee -a "$out/machine.txt"
 
 "$python" - "$out" <<'EOF'
