@@ -478,6 +478,7 @@ def test_bench_of_vllms_suffix_decoding(tiny_policy_dir, tmp_path):
         "data.train_size=8", "data.val_size=8", "data.train_batch_size=4", "rollout.n=4",
         "actor.ppo_mini_batch_size=2", "data.max_response_length=12",
         "trainer.total_training_steps=4", "trainer.save_freq=0", "trainer.test_freq=2",
+        "rollout.spec.verify_budget=false",  # every draft verified: what the arms reuse is compared
     ]  # fmt: skip
     done = subprocess.run(
         [sys.executable, "-m", "specrl.cli", "bench", "--out", str(out),

@@ -14,6 +14,7 @@ from specrl.speculative.stage import SpeculativeStage
 from specrl.types import Example, Prompt, Rollout
 from tests.conftest import EOS, PAD, make_tiny_model
 from tests.speculative.distributions import distribution_pvalue, target_and_drafter
+from tests.speculative.prices import DraftPrices
 
 PROMPTS = [Prompt(ids, Example(str(ids), "", "test")) for ids in [(3, 4, 5), (6, 7), (2, 8, 9, 10)]]
 SAMPLING = SamplingParams(1.0)
@@ -147,22 +148,6 @@ def test_exact_rule_matches_the_target_distribution_with_adversarial_drafts(acce
         assert pvalue > 1e-3
     else:
         assert pvalue < 1e-6
-
-
-class DraftPrices(DraftBudget):
-    """A draft budget at fixed prices (seconds per verified position and per decoded token), so
-    that what it verifies does not depend on this machine's speed; α is still fitted."""
-
-    def __init__(self, node_cost: float, token_cost: float) -> None:
-        super().__init__()
-        self.prices = node_cost, token_cost
-
-    @property
-    def node_cost(self) -> float:
-        return self.prices[0]
-
-    def token_cost(self, reuse: float) -> float:
-        return self.prices[1]
 
 
 def test_the_draft_budget_verifies_the_prefix_whose_expected_saving_pays():

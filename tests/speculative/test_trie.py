@@ -26,6 +26,7 @@ from tests.conftest import (
 )
 from tests.speculative.distributions import SAMPLING, distribution_pvalue, target_and_drafter
 from tests.speculative.exactness import compare_trie_with_vanilla
+from tests.speculative.prices import TriePrices
 
 SAMPLINGS = {
     "t1": SamplingParams(1.0),
@@ -121,22 +122,6 @@ def test_trie_rollouts_are_vanilla_rollouts_token_for_token(toy_run, sampling):
     assert reused >= 0.3 * tokens  # the trie is used: 3 of 4 rounds have a history
 
 
-class Prices(TrieBudget):
-    """A budget at fixed prices (seconds per verified position and per decoded token), so that
-    what it prunes does not depend on this machine's speed; its drift is still fitted."""
-
-    def __init__(self, node_cost: float, token_cost: float) -> None:
-        super().__init__()
-        self.prices = node_cost, token_cost
-
-    @property
-    def node_cost(self) -> float:
-        return self.prices[0]
-
-    def token_cost(self, reuse: float) -> float:
-        return self.prices[1]
-
-
 def test_the_budget_verifies_the_nodes_enough_walkers_are_expected_to_reach():
     """E[walkers reaching v] = W · ρ^depth · count[v] / count[root]; v is verified when that
     times the token's cost exceeds the node's. A subtree: every parent of a verified node is."""
@@ -182,7 +167,7 @@ def test_a_pruned_trie_keeps_the_rollouts_vanilla_token_for_token(toy_run, token
     prompts, weights, model, eos = toy_run
     engine = HFEngine(model, eos, PAD)
     stage = trie_stage(engine, RUN_SAMPLINGS["t1"], 72)
-    stage.reuse.budget = Prices(node_cost=1.0, token_cost=token_cost)
+    stage.reuse.budget = TriePrices(node_cost=1.0, token_cost=token_cost)
     tokens = agree = reused = scored = stored = skipped = verify_forwards = 0
     for step, state in enumerate(weights, start=1):
         engine.load_weights(state)
@@ -211,7 +196,7 @@ def test_a_pruned_trie_keeps_the_rollouts_distributed_as_the_policy():
     target, drafter = target_and_drafter(vocab, n)
     stage = trie_stage(target, SAMPLING, max_len)
     # 20k walkers: a node pays when 20k · count / 64 > 1000, when 4 or more responses share it
-    stage.reuse.budget = Prices(node_cost=1.0, token_cost=1e-3)
+    stage.reuse.budget = TriePrices(node_cost=1.0, token_cost=1e-3)
     history = sample_rollouts(drafter, [prompt], 64, SAMPLING, max_len, ("history",), 0)
     stage.tree.begin(prompt.prompt_id)
     stage.tree.insert_all((prompt.prompt_id, r.token_ids) for r in history)
