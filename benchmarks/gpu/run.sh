@@ -2,15 +2,17 @@
 # The GPU benchmark in one call: on a fresh single-GPU machine (the torch already there, no
 # package registry), build a larger built-in policy of the default task on the GPU, run the bench
 # arms on the transformers engine on CUDA for a shortened run, price the same trace for the
-# same device with the cost model (a projection, next to what was measured), and profile a
-# vanilla and a trie step of each of the first two epochs (benchmarks/profile_steps.py).
+# same device with the cost model (a projection, next to what was measured), and, first, profile
+# a plain and a reuse step of some arms (benchmarks/profile_steps.py).
 #
 #   benchmarks/gpu/run.sh [--dry-run] [OUT]       (OUT: default benchmarks/gpu/out, or $OUT)
 #
 # specrl runs from this working tree (PYTHONPATH); the pure-Python dependencies that machine
 # lacks travel as wheels in .whl/ (benchmarks/gpu/wheels.sh, run where pip works). --dry-run runs
 # every command with a tiny policy and run on the CPU: what CI checks.
-# Sizes and lengths: HIDDEN, LAYERS, HEADS, SFT_STEPS, SFT_LR, STEPS, TRAIN_SIZE (environment).
+# Sizes and lengths: HIDDEN, LAYERS, HEADS, SFT_STEPS, SFT_LR, STEPS, TRAIN_SIZE (environment);
+# ARMS: the bench's arms; PROFILE_ARMS: the arms profiled (none: no profile), each over the first
+# step of epochs 0 and 1 (torch.profiler) and the second of epoch 1 (cProfile).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 dry=0
@@ -63,13 +65,18 @@ started=$(date +%s)
 policy=$("$python" -m specrl toy-policy --device "$device" "${build[@]}" | tail -n 1)
 echo "policy: $policy (built in $(($(date +%s) - started)) s)" | tee -a "$out/machine.txt"
 
-"$python" -m specrl bench --out "$out/bench" --arms vanilla,spec,trie,trie+tree,spec+tree \
+per_epoch=$(( ${TRAIN_SIZE:-256} / 32 ))
+if [ "$dry" = 1 ]; then per_epoch=2; fi
+# where a step's time goes, by op and by Python function
+if [ -n "${PROFILE_ARMS-vanilla,trie,spec+tree}" ]; then
+  "$python" benchmarks/profile_steps.py --out "$out/profile" \
+    --arms "${PROFILE_ARMS-vanilla,trie,spec+tree}" --steps "1,$((per_epoch + 1))" \
+    --python-steps "$((per_epoch + 2))" model.path="$policy" "${run[@]}"
+fi
+"$python" -m specrl bench --out "$out/bench" --arms "${ARMS:-vanilla,spec,trie,trie+tree,spec+tree}" \
   model.path="$policy" trainer.logger=[jsonl] "${run[@]}"
 "$python" -m specrl project "$out/bench" --device "$project_device" \
   --model "$policy/config.json" --stretch 1,20
-# where a step's time goes, by op: the first step of epochs 0 and 1, vanilla and trie
-"$python" benchmarks/profile_steps.py --out "$out/profile" model.path="$policy" \
-  trainer.logger=[jsonl] "${run[@]}"
 echo "load average at end: $(cut -d' ' -f1-3 /proc/loadavg)" | tee -a "$out/machine.txt"
 
 "$python" - "$out" <<'EOF'
