@@ -13,6 +13,7 @@ Hugging Face model directory, used as it is.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import hashlib
 import importlib.util
@@ -21,6 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
 from transformers import (
     AutoModelForCausalLM,
     AutoTokenizer,
@@ -32,10 +34,21 @@ from specrl.cache import build_once, cache_root
 from specrl.errors import UserError, first_line
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# Every attention kernel of scaled_dot_product_attention but cuDNN's. cuDNN builds an execution
+# plan for each new shape, on the host: on an H100 (torch 2.11) 10-20 ms per new shape, which was
+# most of a plain step's decode time in a run's first arm and of every reuse step's (new widths
+# every step). RL forwards change shape all the time; the other kernels need no plan.
+PLANLESS_ATTENTION = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
 class ModelLoadError(UserError):
     """The configured model directory is missing or unusable."""
+
+
+def planless_attention() -> contextlib.AbstractContextManager:
+    """Model forwards inside run attention without cuDNN's per-shape plans (`PLANLESS_ATTENTION`);
+    the process's own choice of kernels is back on exit."""
+    return sdpa_kernel(PLANLESS_ATTENTION)
 
 
 def load_tokenizer(path: str | Path) -> PreTrainedTokenizerBase:

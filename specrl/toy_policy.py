@@ -30,6 +30,7 @@ from specrl.engines.hf import HFEngine
 from specrl.episodes.env import load_environment
 from specrl.episodes.runner import EpisodeLoop, sampled_turns
 from specrl.errors import UserError
+from specrl.models import planless_attention
 from specrl.rollouts import sample_rollouts
 from specrl.types import Prompt
 
@@ -205,7 +206,8 @@ def _supervised_warm_start(
         mask = torch.tensor(
             [m + [0] * (width - len(m)) for m in masks], dtype=torch.float32, device=device
         )  # [B, T]
-        logits = model(input_ids=ids).logits[:, :-1]  # [B, T-1, V]
+        with planless_attention():  # widths change every batch
+            logits = model(input_ids=ids).logits[:, :-1]  # [B, T-1, V]
         token_loss = torch.nn.functional.cross_entropy(
             logits.transpose(1, 2), ids[:, 1:], reduction="none"
         )

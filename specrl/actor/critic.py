@@ -32,7 +32,7 @@ from specrl.actor.update import (
     MiniBatching,
     UpdateShares,
     adamw_with_warmup,
-    autocast,
+    forward_mode,
     mini_batch_update,
 )
 from specrl.algorithms.losses import AggScale, value_loss
@@ -122,7 +122,7 @@ class Critic:
         out = []
         for rows, weight in micro_batches(parts, self.rank, self.cfg.ppo_micro_batch_size):
             part = batch.rows(rows).to(device)
-            with autocast(device, self.autocast):
+            with forward_mode(device, self.autocast):
                 values = token_values(self.model, part) * part.response_mask
             if weight:
                 out.append(values.float().cpu())
@@ -149,7 +149,7 @@ class Critic:
 
     def _loss(self, part: TrainBatch, scale: AggScale):
         """The clipped value loss of a micro-batch."""
-        with autocast(part.input_ids.device, self.autocast):
+        with forward_mode(part.input_ids.device, self.autocast):
             vpreds = token_values(self.model, part)
         out = value_loss(
             vpreds, part.values, part.returns, part.response_mask, self.cfg.cliprange_value, scale

@@ -11,7 +11,7 @@ not depend on `ppo_micro_batch_size`, nor on how many learner ranks share each m
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -35,6 +35,7 @@ from specrl.actor.data_parallel import (
 from specrl.algorithms.losses import POLICY_LOSSES, AggScale, ClipConfig, agg_loss, kl_penalty
 from specrl.config import ActorConfig, CriticConfig, OptimConfig
 from specrl.lora import peft_model, trained_weights
+from specrl.models import planless_attention
 
 
 @dataclass
@@ -205,7 +206,7 @@ def actor_loss(
     loss."""
 
     def loss_fn(part: TrainBatch, scale: AggScale):
-        with autocast(part.input_ids.device, cfg.autocast):
+        with forward_mode(part.input_ids.device, cfg.autocast):
             logprobs, entropy = response_logprobs(model, part, temperature)  # [b, R] each
         mask = part.response_mask
         out = POLICY_LOSSES[clip.loss_mode](
@@ -229,11 +230,17 @@ def actor_loss(
     return loss_fn
 
 
-def autocast(device: torch.device, dtype: str) -> contextlib.AbstractContextManager:
-    """`actor.autocast`: bfloat16 autocast of the forward (losses stay float32), or nothing."""
-    if dtype == "none":
-        return contextlib.nullcontext()
-    return torch.autocast(device.type, dtype=torch.bfloat16)
+@contextlib.contextmanager
+def forward_mode(device: torch.device, autocast: str) -> Iterator[None]:
+    """How the actor's and critic's forwards run: attention without per-shape plans (batches
+    change shape every micro-batch: `planless_attention`), and with `actor.autocast` bfloat16,
+    bfloat16 autocast (losses stay float32)."""
+    with planless_attention():
+        if autocast == "none":
+            yield
+        else:
+            with torch.autocast(device.type, dtype=torch.bfloat16):
+                yield
 
 
 def adamw_with_warmup(
@@ -293,7 +300,7 @@ class Actor:
             adapters = (
                 peft_model(model).disable_adapter() if base_only else contextlib.nullcontext()
             )
-            with autocast(device, self.cfg.autocast), adapters:
+            with forward_mode(device, self.cfg.autocast), adapters:
                 logprobs = response_logprobs(model, batch.rows(rows).to(device), self.temperature)
             if weight:
                 out.append(logprobs[0].float().cpu())

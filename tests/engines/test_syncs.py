@@ -91,3 +91,28 @@ def test_a_trie_step_syncs_per_forward_not_per_slot_or_node(counted):
     # measured: 6.3 and 8.9 syncs, 9.3 and 10.2 tolist calls per forward (2 and 16 prompts: more
     # rows leave the batch at different forwards, and the larger step drafts from its trees)
     assert all(syncs <= 12 and tolists <= 14 for syncs, tolists in per_forward), per_forward
+
+
+def test_no_forward_attends_through_cudnn_plans_and_the_process_keeps_its_choice():
+    """cuDNN's attention builds a plan on the host for every new shape (on an H100, 10-20 ms
+    each: most of a reuse step's time, and of a run's first plain steps; benchmarks/
+    gpu-h100-hf-profile). Every model forward of the engine (prefill, decode, verification,
+    trie passes) and of the actor (old logprobs, the update) runs with it out of SDPA's kernels,
+    which the flag read inside each forward shows on the CPU too; outside, it is as it was."""
+    from tests.actor.test_update import _actor_update
+
+    model = make_tiny_model(init=0.5)
+    seen = []
+    model.register_forward_pre_hook(lambda *_: seen.append(torch.backends.cuda.cudnn_sdp_enabled()))
+    engine = HFEngine(model, [NEVER], PAD)
+    prompts = [Prompt((2, 3, 4 + i), Example(f"p{i}", "", "t")) for i in range(3)]
+    stage = SpeculativeStage(
+        engine, SamplingParams(1.0), 6, SpecConfig(enabled=True, acceptance="exact", reuse="trie")
+    )
+    stage(prompts, 2, (1, 0, 0), 0)
+    _, stats = stage(prompts, 2, (1, 1, 0), 1)  # a trie pass, then decoding
+    assert stats.compute.verify_forwards > 0 and stats.compute.decode_forwards > 0
+    engine_forwards = len(seen)
+    _actor_update(model)
+    assert len(seen) > engine_forwards and not any(seen)
+    assert torch.backends.cuda.cudnn_sdp_enabled()

@@ -32,6 +32,7 @@ from specrl.engines.protocol import (
     distinct_requests,
 )
 from specrl.engines.sampling import RowSampling, sampling_logprobs
+from specrl.models import planless_attention
 
 
 class HFEngine:
@@ -226,16 +227,17 @@ class HFEngine:
     ) -> torch.Tensor:
         """Logits [B, T, V] of the last `keep` columns (0: all of them), the forward's seconds
         counted under `kind` (on a GPU once its kernels have run: the loop reads the logits
-        right after anyway)."""
+        right after anyway). Attention without per-shape plans: widths change every forward."""
         started = time.perf_counter()
-        logits = self.model(
-            input_ids=ids,
-            attention_mask=attention,
-            position_ids=positions,
-            past_key_values=cache,
-            use_cache=cache is not None,
-            logits_to_keep=keep,
-        ).logits
+        with planless_attention():
+            logits = self.model(
+                input_ids=ids,
+                attention_mask=attention,
+                position_ids=positions,
+                past_key_values=cache,
+                use_cache=cache is not None,
+                logits_to_keep=keep,
+            ).logits
         if logits.is_cuda:
             torch.cuda.synchronize(logits.device)
         self.counts.add_seconds(kind, time.perf_counter() - started)
