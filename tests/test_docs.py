@@ -100,7 +100,7 @@ def test_the_readme_is_short():
 
 # The README's results table and the bench it quotes: each row's figures read back from the
 # committed bench.json, so a rerun that changes a figure fails here until the README says so.
-RESULTS_BENCH = "benchmarks/cpu-hf-noisy-facts-trie-3seeds-hostcut"
+RESULTS_BENCH = "benchmarks/cpu-hf-noisy-facts-3seeds-current"
 RESULTS_COLUMNS = [  # (key in bench.json's arms.<arm>, how the README prints it)
     ("rollout_time_s", "{:.1f} s"),
     ("rollout_speedup", "{:.2f}x"),
@@ -110,6 +110,7 @@ RESULTS_COLUMNS = [  # (key in bench.json's arms.<arm>, how the README prints it
     ("verified_tokens_per_step", "{:,.0f}"),
     ("final_acc", "{:.3f}"),
 ]
+RESULTS_PER_SEED = [("rollout_speedup", "{:.2f}x")]  # each seed's, from arms.<arm>.per_seed
 
 
 def test_the_readme_results_table_is_its_bench_json():
@@ -129,6 +130,9 @@ def test_the_readme_results_table_is_its_bench_json():
         words = " ".join(cells).replace(",", "")
         for key, form in RESULTS_COLUMNS:
             assert form.format(arms[arm][key]).replace(",", "") in words, (arm, key, cells)
+        for seed, figures in arms[arm]["per_seed"].items():
+            for key, form in RESULTS_PER_SEED:
+                assert form.format(figures[key]) in words, (arm, seed, key, cells)
 
 
 def test_every_benchmark_folder_the_docs_name_exists():
