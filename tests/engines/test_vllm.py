@@ -6,6 +6,7 @@ import os
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 import torch
 
@@ -63,6 +64,16 @@ def suffix_engine(vllm_engine, tmp_path_factory):
     path = tmp_path_factory.mktemp("vllm-suffix-model")
     tiny(0).save_pretrained(path)
     return VLLMEngine(path, [EOS], max_model_len=128, draft_tokens=4, draft_method="suffix")
+
+
+@pytest.fixture(scope="session")
+def long_context_engine(vllm_engine, tmp_path_factory):
+    """An engine whose model takes 512 positions: prompts that fill prefix-cache blocks."""
+    path = tmp_path_factory.mktemp("vllm-long-model")
+    model = tiny(3)
+    model.config.max_position_embeddings = 512
+    model.save_pretrained(path)
+    return VLLMEngine(path, [EOS], max_model_len=512)
 
 
 def tiny(seed, init=1.0):
@@ -202,6 +213,36 @@ def test_trie_rollouts_on_vllm_are_distributed_as_the_policy_samples(vllm_engine
     assert stats.trie_nodes == nodes  # one pass, each node once
     probs = response_probabilities(reference, prompt.ids, vocab, max_len, sampling)
     assert sample_pvalue(probs, [tuple(r.token_ids) for r in rollouts]) > 1e-3
+
+
+@pytest.mark.parametrize("sampling", [SamplingParams(1.0), SamplingParams(0.8, top_k=5)])
+def test_a_tries_long_prompt_is_prefilled_once_and_its_logprobs_are_the_same(
+    long_context_engine, sampling
+):
+    """A trie whose prompt fills a block of vLLM's prefix cache (128 tokens on CPU) is verified
+    in waves (`tries_as_paths`): the paths after the first read the prompt's KV from the cache,
+    and every node gets the logprob that computing each path whole gives."""
+    from specrl.engines import TrieRequest
+    from specrl.engines.vllm.outputs import tries_as_paths
+
+    engine = long_context_engine
+    prompt = [2 + (i * 7) % (VOCAB - 2) for i in range(200)]
+    parents, tokens = [0, 1, 2, 2, 0, 5, 1], [3, 4, 5, 6, 7, 8, 9]  # 4 paths
+    request = TrieRequest(prompt, parents, tokens, sampling)
+    before = engine.counts.prefill_positions
+    whole = tries_as_paths([request], engine._verify)[0]
+    whole_positions = engine.counts.prefill_positions - before
+    before = engine.counts.prefill_positions
+    waved = engine.verify_tries([request])[0]
+    waved_positions = engine.counts.prefill_positions - before
+    assert whole_positions == 4 * 200 + 3 + 3 + 2 + 2  # each path with its prompt
+    assert waved_positions < whole_positions - 2 * 128  # the prompt's block, twice at least
+    for a, b in (
+        (whole.logprobs, waved.logprobs),
+        (whole.low, waved.low),
+        (whole.high, waved.high),
+    ):
+        np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-6)
 
 
 def test_bench_and_speculative_training_run_on_vllm(tiny_policy_dir, tmp_path):

@@ -67,13 +67,16 @@ class Driver:
             if self.suffix is not None:
                 self.suffix.counts = None
         for out in outputs:
-            self._count(kind, len(out.prompt_token_ids), len(out.outputs[0].token_ids))
+            new = len(out.outputs[0].token_ids)
+            self._count(kind, len(out.prompt_token_ids), out.num_cached_tokens or 0, new)
         return outputs
 
-    def _count(self, kind: str, context: int, new: int) -> None:
-        """A request's work, from its lengths: its context prefilled whole (the prefix cache
-        may have spared part of it), then one position per new token, each reading the context
-        so far (a verification request's one new token included)."""
-        self.counts.record("prefill", 0, context, context, causal_attended(context, 0), forwards=0)
-        attended = causal_attended(new, context)  # one position per forward: pairs = KV read
-        self.counts.record(kind, 0, new, attended, attended, forwards=0)
+    def _count(self, kind: str, context: int, cached: int, new: int) -> None:
+        """A request's work, from its lengths: its context prefilled but for the `cached`
+        positions the prefix cache spared, then one position per new token, each reading the
+        context so far (a verification request's one new token included)."""
+        computed = context - cached
+        attended = causal_attended(computed, cached)
+        self.counts.record("prefill", 0, computed, computed, attended, forwards=0)
+        decoded = causal_attended(new, context)  # one position per forward: pairs = KV read
+        self.counts.record(kind, 0, new, decoded, decoded, forwards=0)

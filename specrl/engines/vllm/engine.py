@@ -299,11 +299,19 @@ class VLLMEngine:
     ) -> list[torch.Tensor]:
         """Prompt logprobs of each distinct request (identical ones are verified once)."""
         _no_prefixes(prefixes)
+        return self._verify(requests, read_cache=False)
+
+    def _verify(self, requests: Sequence[LogprobRequest], read_cache: bool) -> list[torch.Tensor]:
+        """Prompt logprobs of each distinct request; `read_cache`: vLLM reads its prefix cache
+        for them (it skips it for prompt-logprob requests by default) and returns no logprobs
+        where the cache spared the logits: those are NaN (`verified_logprobs`)."""
         distinct, where = distinct_requests(requests)
-        verified = self._logprobs_of_distinct(distinct)
+        verified = self._logprobs_of_distinct(distinct, read_cache)
         return [verified[i] for i in where]
 
-    def _logprobs_of_distinct(self, requests: Sequence[LogprobRequest]) -> list[torch.Tensor]:
+    def _logprobs_of_distinct(
+        self, requests: Sequence[LogprobRequest], read_cache: bool
+    ) -> list[torch.Tensor]:
         if not requests:
             return []
         plain = [untransformed(r.sampling) for r in requests]
@@ -314,6 +322,7 @@ class VLLMEngine:
                 detokenize=False,
                 temperature=0,
                 flat_logprobs=True,
+                skip_reading_prefix_cache=not read_cache,
             )
             for p in plain
         ]
@@ -326,12 +335,15 @@ class VLLMEngine:
         self, requests: Sequence[TrieRequest], prefixes: Prefixes | None = None
     ) -> list[TrieLogprobs]:
         """vLLM has no tree attention: each trie is verified as its root-to-leaf paths, one
-        prompt-logprobs request each (`logprobs`), and every node's logprob after its parent is
-        read off a path through it. vLLM's sampler is its own, so the trie logprobs are not coupled:
-        the children of each node get intervals laid end to end (see `TrieLogprobs`), and a slot
-        that leaves the trie decodes from the residual without the children."""
+        prompt-logprobs request each, and every node's logprob after its parent is read off a
+        path through it; where a prompt fills a block of the prefix cache, in waves that compute
+        its prompt and shared nodes once (`tries_as_paths`). vLLM's sampler is its own, so the
+        trie logprobs are not coupled: the children of each node get intervals laid end to end
+        (see `TrieLogprobs`), and a slot that leaves the trie decodes from the residual without
+        the children."""
         _no_prefixes(prefixes)
-        return tries_as_paths(requests, self.logprobs)
+        block = self.llm.llm_engine.vllm_config.cache_config.block_size
+        return tries_as_paths(requests, self._verify, block)
 
     # ---------------------------------------------------------------- weights
     def load_weights(self, state: Mapping[str, torch.Tensor]) -> None:

@@ -54,44 +54,80 @@ def verified_logprobs(
     """Each request's target logprobs from vLLM's outputs for context + targets: read directly
     where vLLM's raw prompt logprobs are the sampling distribution's (`untransformed`: vLLM
     was asked for the targets' only), else from the whole rows put through the request's
-    temperature / top-k / top-p."""
+    temperature / top-k / top-p. A request that read the prefix cache has no logprobs where the
+    cache spared the logits (vLLM leaves the first `num_cached_tokens` positions unwritten):
+    those targets are NaN."""
     verified = []
     for r, out in zip(requests, outputs, strict=True):
         n = len(r.target_ids)
         first = len(out.prompt_token_ids) - n
-        if untransformed(r.sampling):
-            verified.append(torch.tensor(target_logprobs(out.prompt_logprobs, first, r.target_ids)))
-            continue
-        raw = logprob_rows(out.prompt_logprobs, first, n, vocab_size)
-        logprobs = sampling_logprobs(raw, RowSampling.of([r.sampling], raw.device).repeat(n))
-        verified.append(logprobs.gather(1, torch.tensor(r.target_ids)[:, None]).squeeze(1))
+        spared = min(n, max(0, (out.num_cached_tokens or 0) + 1 - first))  # targets with none
+        targets = list(r.target_ids)[spared:]
+        if not targets:
+            computed = torch.zeros(0)
+        elif untransformed(r.sampling):
+            computed = torch.tensor(target_logprobs(out.prompt_logprobs, first + spared, targets))
+        else:
+            raw = logprob_rows(out.prompt_logprobs, first + spared, len(targets), vocab_size)
+            rows = RowSampling.of([r.sampling], raw.device).repeat(len(targets))
+            logprobs = sampling_logprobs(raw, rows)
+            computed = logprobs.gather(1, torch.tensor(targets)[:, None]).squeeze(1)
+        verified.append(torch.cat([torch.full((spared,), float("nan")), computed]))
     return verified
 
 
 def tries_as_paths(
     requests: Sequence[TrieRequest],
-    logprobs: Callable[[list[LogprobRequest]], list[torch.Tensor]],
+    verify: Callable[[list[LogprobRequest], bool], list[torch.Tensor]],
+    cache_block: int = 0,
 ) -> list[TrieLogprobs]:
-    """Each trie verified as its root-to-leaf paths, one prompt-logprobs request each (`logprobs`
-    verifies them all in one call), every node's logprob after its parent read off a path
-    through it; uncoupled intervals (`sibling_intervals`)."""
+    """Each trie verified as its root-to-leaf paths, one prompt-logprobs request each (`verify`
+    verifies a list of them in one call, reading the prefix cache or not; NaN where the cache
+    spared a logprob), every node's logprob after its parent read off a path through it;
+    uncoupled intervals (`sibling_intervals`).
+
+    A trie whose prompt fills a block of the prefix cache (`cache_block` tokens) is verified in
+    waves, so that its prompt and shared nodes are computed once: its first path whole, then its
+    other paths reading the cache (vLLM computes each from the first block it has not cached;
+    the first wave gave the logprobs of what it skips), then, whole, a path through each node
+    still without a logprob (one that leaves the first path just after a block boundary). The
+    other tries go in the first wave whole, as one call: nothing of theirs is cacheable."""
     paths = [trie_paths(r.parents) for r in requests]
-    verified = iter(
-        logprobs(
-            [
-                LogprobRequest(r.prompt_ids, [r.tokens[v - 1] for v in path], r.sampling)
-                for r, trie in zip(requests, paths, strict=True)
-                for path in trie
-            ]
-        )
-    )
-    out = []
-    for r, trie in zip(requests, paths, strict=True):
-        node_logprobs = np.zeros(len(r.tokens) + 1)
-        for path in trie:
-            node_logprobs[path] = next(verified).double().numpy()
-        out.append(sibling_intervals(node_logprobs, r.parents))
-    return out
+    found = [np.full(len(r.tokens) + 1, np.nan) for r in requests]
+    for node_logprobs in found:
+        node_logprobs[0] = 0.0  # the root: no token
+
+    def wave(chosen: list[tuple[int, list[int]]], read_cache: bool) -> None:
+        asked = [
+            LogprobRequest(requests[t].prompt_ids, [requests[t].tokens[v - 1] for v in path],
+                           requests[t].sampling)
+            for t, path in chosen
+        ]  # fmt: skip
+        for (t, path), logprobs in zip(chosen, verify(asked, read_cache), strict=True):
+            for v, logprob in zip(path, logprobs.double().numpy(), strict=True):
+                if np.isnan(found[t][v]):
+                    found[t][v] = logprob
+
+    waves = {
+        t for t, r in enumerate(requests)
+        if cache_block and len(r.prompt_ids) >= cache_block and len(paths[t]) > 1
+    }  # fmt: skip
+    wave([(t, trie[0]) for t, trie in enumerate(paths) if t in waves] + [
+        (t, path) for t, trie in enumerate(paths) if t not in waves for path in trie
+    ], read_cache=False)  # fmt: skip
+    wave([(t, path) for t in sorted(waves) for path in paths[t][1:]], read_cache=True)
+    missing = []
+    for t in sorted(waves):
+        uncovered = {v for path in paths[t] for v in path if np.isnan(found[t][v])}
+        for path in paths[t]:
+            if uncovered & set(path):
+                missing.append((t, path))
+                uncovered -= set(path)
+    wave(missing, read_cache=False)
+    return [
+        sibling_intervals(node_logprobs, r.parents)
+        for node_logprobs, r in zip(found, requests, strict=True)
+    ]
 
 
 def sampled_logprobs(token_ids: Sequence[int], logprobs: FlatLogprobs | None) -> list[float]:
