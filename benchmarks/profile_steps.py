@@ -92,6 +92,9 @@ class GCPauses:
         self.seconds, self.collections = 0.0, 0
         return counts
 
+    def close(self) -> None:
+        gc.callbacks.remove(self._callback)
+
 
 def allocator_counts() -> dict:
     """The CUDA caching allocator's device allocations, frees and retries so far (none on CPU)."""
@@ -168,7 +171,7 @@ def profile_arm(
             })  # fmt: skip
             print(f"{arm} step {step}: {metrics['timing_s/step']:.2f} s", flush=True)
     finally:
-        gc.callbacks.remove(pauses._callback)
+        pauses.close()
         trainer.run.rollouts.shutdown()
         trainer.run.lock.release()
     return result

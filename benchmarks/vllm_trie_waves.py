@@ -26,23 +26,9 @@ import reasoning_gym
 
 from specrl.engines import GenRequest, SamplingParams, TrieRequest
 from specrl.engines.vllm.engine import VLLMEngine
-from specrl.engines.vllm.outputs import tries_as_paths
+from specrl.engines.vllm.outputs import trie_paths, tries_as_paths
 from specrl.models import ensure_model, eos_token_ids, load_policy
-
-
-def trie_of(prompt: list[int], responses: list[list[int]], sampling: SamplingParams) -> TrieRequest:
-    """The responses as one trie (shared prefixes once), parents before children."""
-    children: dict[tuple[int, int], int] = {}  # (parent, token) → node
-    parents, tokens = [], []
-    for response in responses:
-        node = 0
-        for token in response:
-            if (node, token) not in children:
-                parents.append(node)
-                tokens.append(token)
-                children[node, token] = len(tokens)
-            node = children[node, token]
-    return TrieRequest(prompt, parents, tokens, sampling)
+from specrl.speculative.tree import PromptTree
 
 
 def main() -> None:
@@ -72,10 +58,12 @@ def main() -> None:
         [GenRequest(p, 32, sampling, seed=1000 * i + s)
          for i, p in enumerate(prompts) for s in range(args.slots)]
     )  # fmt: skip
-    tries = [
-        trie_of(p, [r.token_ids for r in sampled[i * args.slots : (i + 1) * args.slots]], sampling)
-        for i, p in enumerate(prompts)
-    ]
+    tries = []
+    for i, prompt in enumerate(prompts):
+        tree = PromptTree()
+        for result in sampled[i * args.slots : (i + 1) * args.slots]:
+            tree.insert(result.token_ids)
+        tries.append(TrieRequest(prompt, tree.parent[1:], tree.token[1:], sampling))
     ways = {
         "whole": lambda: tries_as_paths(tries, engine._verify),
         "waves": lambda: engine.verify_tries(tries),
@@ -107,9 +95,7 @@ def main() -> None:
         "block_size": block,
         "prompt_tokens": [len(p) for p in prompts],
         "trie_nodes": [len(t.tokens) for t in tries],
-        "paths": [
-            sum(1 for v in range(1, len(t.tokens) + 1) if v not in set(t.parents)) for t in tries
-        ],
+        "paths": [len(trie_paths(t.parents)) for t in tries],
         "rounds": rounds,
         "seconds": seconds,
         "speedup": seconds["whole"] / seconds["waves"],

@@ -35,9 +35,9 @@ from specrl.errors import UserError, first_line
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # Every attention kernel of scaled_dot_product_attention but cuDNN's. cuDNN builds an execution
-# plan for each new shape, on the host: on an H100 (torch 2.11) 10-20 ms per new shape, which was
-# most of a plain step's decode time in a run's first arm and of every reuse step's (new widths
-# every step). RL forwards change shape all the time; the other kernels need no plan.
+# plan for each new shape, on the host: on an H100 (torch 2.11) 80-840 ms per new shape, most of
+# a run's first plain steps and of every reuse step (new widths every step;
+# benchmarks/gpu-h100-hf-profile). RL forwards change shape all the time; the other kernels need no plan.
 PLANLESS_ATTENTION = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 

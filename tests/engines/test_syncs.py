@@ -94,7 +94,7 @@ def test_a_trie_step_syncs_per_forward_not_per_slot_or_node(counted):
 
 
 def test_no_forward_attends_through_cudnn_plans_and_the_process_keeps_its_choice():
-    """cuDNN's attention builds a plan on the host for every new shape (on an H100, 10-20 ms
+    """cuDNN's attention builds a plan on the host for every new shape (on an H100, 80-840 ms
     each: most of a reuse step's time, and of a run's first plain steps; benchmarks/
     gpu-h100-hf-profile). Every model forward of the engine (prefill, decode, verification,
     trie passes) and of the actor (old logprobs, the update) runs with it out of SDPA's kernels,

@@ -108,16 +108,16 @@ def tries_as_paths(
                 if np.isnan(found[t][v]):
                     found[t][v] = logprob
 
-    waves = {
+    in_waves = {
         t for t, r in enumerate(requests)
         if cache_block and len(r.prompt_ids) >= cache_block and len(paths[t]) > 1
     }  # fmt: skip
-    wave([(t, trie[0]) for t, trie in enumerate(paths) if t in waves] + [
-        (t, path) for t, trie in enumerate(paths) if t not in waves for path in trie
+    wave([(t, trie[0]) for t, trie in enumerate(paths) if t in in_waves] + [
+        (t, path) for t, trie in enumerate(paths) if t not in in_waves for path in trie
     ], read_cache=False)  # fmt: skip
-    wave([(t, path) for t in sorted(waves) for path in paths[t][1:]], read_cache=True)
+    wave([(t, path) for t in sorted(in_waves) for path in paths[t][1:]], read_cache=True)
     missing = []
-    for t in sorted(waves):
+    for t in sorted(in_waves):
         uncovered = {v for path in paths[t] for v in path if np.isnan(found[t][v])}
         for path in paths[t]:
             if uncovered & set(path):
