@@ -1,11 +1,11 @@
 """A run assembled from its config: everything the training loop (trainer.py) works with.
 
-`build_run` goes in the order that lets bad input stop before anything expensive: the run
-directory, the checkpoint to resume from and its config, the data, reward functions and
-environment (read without a model), the base model's identity; then the actor (in this process
-or on learner ranks), the critic, the tokenized prompts, the rollout engine and speculative stage
-(or the Ray rollout workers that hold both), episodes around the stage; last the checkpoint's
-state and the first weight sync.
+`build_run` goes in the order that lets bad input stop before anything expensive: the process's
+seed and device (a GPU asked for and missing stops here), the run directory, the checkpoint to
+resume from and its config, the data, reward functions and environment (read without a model), the
+base model's identity; then the actor (in this process or on learner ranks), the critic, the
+tokenized prompts, the rollout engine and speculative stage (or the Ray rollout workers that hold
+both), episodes around the stage; last the checkpoint's state and the first weight sync.
 """
 
 from __future__ import annotations
@@ -148,6 +148,8 @@ def trainer_device(cfg: Config) -> torch.device:
 def build_run(cfg: Config, tracker: Tracker | None = None) -> Run:
     """The `Run` that `cfg` describes (resumed from its checkpoint when there is one), built in
     the order of the module's docstring."""
+    seed_everything(cfg.trainer.seed)
+    device = trainer_device(cfg)
     run_dir = cfg.trainer.run_dir
     tracker = tracker or Tracker(
         cfg.trainer.logger,
@@ -155,21 +157,19 @@ def build_run(cfg: Config, tracker: Tracker | None = None) -> Run:
         project=cfg.trainer.project_name,
         experiment=cfg.trainer.experiment_name,
     )
-    seed_everything(cfg.trainer.seed)
     log = tracker.print
     lock = open_run_dir(run_dir, cfg.trainer.resume_mode == "disable", log)
     resume_from = resolve_resume(cfg.trainer.resume_mode, run_dir)
     state = load_trainer_state(resume_from) if resume_from else None
-    threads, threads_note = run_threads(
-        cfg.trainer.num_threads, state and state.get("torch_threads")
-    )
-    torch.set_num_threads(threads)
     if state is not None:  # before any model is loaded
         check_resumed_config(
             run_dir, cfg.model_dump(mode="json"), state["global_step"], tracker.warn
         )
+    threads, threads_note = run_threads(
+        cfg.trainer.num_threads, state and state.get("torch_threads")
+    )
+    torch.set_num_threads(threads)
     # what needs no model first: a bad file, function or environment stops before any load
-    device = trainer_device(cfg)
     splits = read_splits(cfg.data, cfg.trainer.seed)
     reward_fn = load_reward_functions(cfg.custom_reward_function, cfg.reward_model.timeout_s)
     env = load_environment(cfg.env.path, cfg.env.name, cfg.env.timeout_s) if cfg.episodes else None
