@@ -11,10 +11,17 @@ exact rule and history tries: the completions are the tokens plain decoding woul
 same seeds). It returns what TRL expects (`prompt_ids`, `completion_ids`, `logprobs`) and the
 call's share of reused tokens (`specrl_reused_token_ratio`, which reward functions receive as a
 keyword), and adds specrl's figures to TRL's logged metrics (`specrl/*`).
+
+Where TRL would recompute the old policy's logprobs of a generation batch (its optimizer steps
+outrun its generations: `gradient_accumulation_steps` not a multiple of `steps_per_generation ×
+num_iterations`), it takes the ones the rollout function computed instead: the same model
+object, the same weights, the same untruncated softmax(logits / temperature), with no gradient
+and in eval mode, so the forward over the whole batch is not run twice (`reuse_logprobs`).
 """
 
 from __future__ import annotations
 
+import functools
 import inspect
 import warnings
 from collections import Counter
@@ -66,9 +73,13 @@ def _check_trl() -> None:
 class SpeculativeRollouts:
     """A `rollout_func` for TRL's GRPOTrainer. `spec`: specrl's speculation settings (default:
     the exact rule with history tries; `SpecConfig(enabled=False)` decodes every token, with the
-    same seeds); `max_batch_size`: sequences per forward of the engine."""
+    same seeds); `max_batch_size`: sequences per forward of the engine; `reuse_logprobs`: hand
+    TRL the rollouts' logprobs as the old policy's where it would recompute them (False: TRL
+    runs its own forward for them)."""
 
-    def __init__(self, spec: SpecConfig | None = None, max_batch_size: int = 512) -> None:
+    def __init__(
+        self, spec: SpecConfig | None = None, max_batch_size: int = 512, reuse_logprobs: bool = True
+    ) -> None:
         _check_trl()
         self.spec = spec or SpecConfig()
         if self.spec.enabled and self.spec.acceptance != "exact":
@@ -77,7 +88,10 @@ class SpeculativeRollouts:
                 "TRL's loss applies no importance weights for it: use the exact rule (the default)"
             )
         self.max_batch_size = max_batch_size
+        self.reuse_logprobs = reuse_logprobs
         self.stage: SpeculativeStage | None = None
+        self.pending: tuple[list[list[int]], torch.Tensor] | None = None  # the last call's
+        self.logprobs_reused = 0  # TRL forwards over a generation batch left out
         self.calls: Counter[str] = Counter()  # per mode: what keys each call's seeds
         self.stats = RolloutStats()  # every call's, summed
 
@@ -103,6 +117,8 @@ class SpeculativeRollouts:
         finally:
             model.train(training)
         self.stats += stats
+        if self.reuse_logprobs:
+            self.pending = self._padded(rollouts)
         metrics = getattr(trainer, "_metrics", {}).get(mode)
         if metrics is not None:  # TRL averages these per logging step, as its own
             logged = stats.metrics()
@@ -139,7 +155,48 @@ class SpeculativeRollouts:
         sampling = SamplingParams(args.temperature, args.top_p or 1.0, args.top_k or 0)
         engine = HFEngine(model, trainer.eos_token_ids, tokenizer.pad_token_id, self.max_batch_size)
         self.stage = SpeculativeStage(engine, sampling, args.max_completion_length, self.spec)
+        generate_every = args.steps_per_generation * trainer.num_iterations
+        recomputes = args.gradient_accumulation_steps % generate_every != 0  # as TRL decides
+        untruncated = sampling.temperature > 0 and sampling.top_p == 1 and sampling.top_k == 0
+        self.reuse_logprobs = self.reuse_logprobs and recomputes and untruncated
+        if self.reuse_logprobs:
+            trainer._get_per_token_logps_and_entropies = self._old_logprobs_first(
+                trainer._get_per_token_logps_and_entropies
+            )
         return self.stage
+
+    @staticmethod
+    def _padded(rollouts: Sequence[Any]) -> tuple[list[list[int]], torch.Tensor]:
+        """The completions' ids, and their logprobs right-padded with zeros ([B, longest])."""
+        logprobs = torch.zeros(len(rollouts), max(len(r.token_ids) for r in rollouts))
+        for i, r in enumerate(rollouts):
+            logprobs[i, : len(r.token_ids)] = torch.tensor(r.current_logprobs)
+        return [list(r.token_ids) for r in rollouts], logprobs
+
+    def _old_logprobs_first(self, compute: Any) -> Any:
+        """TRL's per-token logprob pass, answered by the last call's logprobs when it is the
+        old-logprob pass over that call's batch: the first pass after the call, without gradient
+        or entropies, over its completions (right-padded, as TRL pads them); any other pass is
+        TRL's own."""
+        pad_id = self.stage.engine.pad_token_id
+
+        @functools.wraps(compute)
+        def per_token_logps(model, input_ids, attention_mask, logits_to_keep, *args, **kwargs):
+            pending, self.pending = self.pending, None
+            if pending is not None and not torch.is_grad_enabled():
+                completion_ids, logprobs = pending
+                padded = [ids + [pad_id] * (logits_to_keep - len(ids)) for ids in completion_ids]
+                if (
+                    not kwargs.get("compute_entropy")
+                    and input_ids[:, input_ids.shape[1] - logits_to_keep :].tolist() == padded
+                ):
+                    self.logprobs_reused += 1
+                    old = logprobs.new_zeros(len(padded), logits_to_keep)
+                    old[:, : logprobs.shape[1]] = logprobs
+                    return old.to(input_ids.device), None, None
+            return compute(model, input_ids, attention_mask, logits_to_keep, *args, **kwargs)
+
+        return per_token_logps
 
     @staticmethod
     def _tokenize(prompts: Sequence[Any], trainer: Any) -> list[list[int]]:
