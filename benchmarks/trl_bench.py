@@ -8,7 +8,8 @@ lr 7e-6 after 5 warm-up steps, clip 0.2 / 0.28, token-mean loss, no KL, float32)
 
 Per rollout step: the seconds of TRL's `_generate` (the rollout function's call, or TRL's own
 tokenizing and decoding) and of the step (its two optimizer steps, generation included); the
-reused token ratio of the specrl arm; held-out accuracy (greedy, specrl's transformers engine,
+reused token ratio of the specrl arm; the old-logprob passes TRL left out, taking the rollouts'
+logprobs (two optimizer steps per generation batch: TRL would recompute them); held-out accuracy (greedy, specrl's transformers engine,
 the same for every arm) before training and every `--eval-every` rollout steps. An untimed
 warm-up (a few steps of the `trl` arm) runs first. Writes results.json and results.png. Run
 alone: it times.
@@ -20,6 +21,7 @@ import argparse
 import json
 import os
 import platform
+import subprocess
 import time
 from pathlib import Path
 
@@ -132,6 +134,7 @@ def run_arm(arm: str, out_dir: Path, steps: int, eval_every: int, val_size: int)
         "train_wall_s": wall,
         "reused_token_ratio_per_logging_step": reuse,
         "reused_tokens": rollouts.stats.reused_tokens if rollouts else 0,
+        "old_logprob_passes_left_out": rollouts.logprobs_reused if rollouts else 0,
         "response_tokens": rollouts.stats.response_tokens if rollouts else None,
         "held_out_accuracy": accuracy,
         "load_average_after": os.getloadavg(),
@@ -183,6 +186,9 @@ def main() -> None:
     results = {
         "command": f"python benchmarks/trl_bench.py --out {args.out} --steps {args.steps} "
         f"--eval-every {args.eval_every} --val-size {args.val_size} --arms {args.arms}",
+        "commit": subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True
+        ).stdout.strip(),
         "machine": f"{platform.machine()} {platform.processor() or ''} "
         f"{torch.get_num_threads()} threads".strip(),
         "versions": {
