@@ -26,6 +26,10 @@ from specrl.config import GROUP_BASELINES, ConfigError, load_config
         (["actor.loss_agg_mode=seq-mean"], "invalid value for actor.loss_agg_mode: 'seq-mean'"),
         (["actor.ppo_mini_batch_size=64"], "must not exceed data.train_batch_size"),
         (["rollout.enable_sleep_mode=true"], "rollout.enable_sleep_mode needs rollout.name=vllm"),
+        (
+            ["rollout.name=vllm", "rollout.static_decode=true"],
+            "rollout.static_decode is the hf engine's",
+        ),
         (["rollout.name=sglang"], "invalid value for rollout.name: 'sglang'"),
         (
             ["rollout.spec.tree.enabled=maybe"],

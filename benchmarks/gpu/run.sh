@@ -12,7 +12,9 @@
 # every command with a tiny policy and run on the CPU: what CI checks.
 # Sizes and lengths: HIDDEN, LAYERS, HEADS, SFT_STEPS, SFT_LR, STEPS, TRAIN_SIZE (environment);
 # ARMS: the bench's arms; PROFILE_ARMS: the arms profiled (none: no profile), each over the first
-# step of epochs 0 and 1 (torch.profiler) and the second of epoch 1 (cProfile).
+# step of epochs 0 and 1 (torch.profiler) and the second of epoch 1 (cProfile); STATIC_DECODE=1:
+# the transformers engine decodes at static shapes, as CUDA graphs (rollout.static_decode; the
+# dry run decodes so, eagerly, on the CPU).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 dry=0
@@ -39,7 +41,7 @@ if [ "$dry" = 1 ]; then
   build=(--hidden-size 32 --layers 1 --heads 2 --sft-steps 20)
   run=(data.train_size=8 data.val_size=8 data.train_batch_size=4 rollout.n=2
        actor.ppo_mini_batch_size=4 trainer.total_training_steps=2 trainer.test_freq=2
-       trainer.num_threads=1)
+       trainer.num_threads=1 rollout.static_decode=true)
   project_device=h100
 else
   device=cuda
@@ -49,6 +51,7 @@ else
   run=(data.train_size="${TRAIN_SIZE:-256}" data.val_size=256
        trainer.total_training_steps="${STEPS:-24}" trainer.test_freq=8
        trainer.n_gpus_per_node=1 model.dtype=bfloat16)
+  if [ "${STATIC_DECODE:-0}" = 1 ]; then run+=(rollout.static_decode=true); fi
   name=$("$python" -c "import torch; print(torch.cuda.get_device_name())")
   case "$name" in *H200*) project_device=h200 ;; *) project_device=h100 ;; esac
 fi

@@ -166,6 +166,11 @@ class RolloutConfig(Section):
         description="vllm: run the model eagerly, without torch.compile or CUDA graphs (starts in "
         "seconds instead of minutes; decodes slower)",
     )
+    static_decode: bool = Field(
+        False,
+        description="hf: plain decode forwards over a preallocated KV cache at bucketed batch "
+        "sizes, on CUDA replayed as CUDA graphs (the same tokens; not yet run on a GPU)",
+    )
     spec: SpecConfig = Field(default_factory=SpecConfig)
     multi_turn: MultiTurnConfig = Field(default_factory=MultiTurnConfig)
     num_workers: int = Field(

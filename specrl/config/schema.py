@@ -132,6 +132,11 @@ class Config(Section):
     def _check_engine(self) -> Config:
         if self.rollout.enable_sleep_mode and self.rollout.name != "vllm":
             raise ValueError("rollout.enable_sleep_mode needs rollout.name=vllm")
+        if self.rollout.static_decode and self.rollout.name != "hf":
+            raise ValueError(
+                "rollout.static_decode is the hf engine's; vllm captures its own CUDA graphs "
+                "(rollout.enforce_eager=false)"
+            )
         if self.rollout.run_ahead and not (
             self.rollout.num_workers and self.rollout.spec.uses_tree()
         ):

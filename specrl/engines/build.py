@@ -69,7 +69,9 @@ def build_engine(
     copies nothing. vllm loads `model_dir` (with LoRA: the base model) and then takes the
     policy's current weights."""
     if cfg.rollout.name == "hf":
-        return HFEngine(policy, eos_ids, pad_id, cfg.rollout.max_batch_size)
+        return HFEngine(
+            policy, eos_ids, pad_id, cfg.rollout.max_batch_size, cfg.rollout.static_decode
+        )
     engine = _vllm_engine(cfg, eos_ids, model_dir)
     engine.load_weights(rollout_weights(policy, engine_kind(cfg.rollout.name).lora_adapters))
     return engine
@@ -86,7 +88,9 @@ def build_worker_engine(
         if cfg.actor.lora.rank:
             policy = with_adapters(policy, cfg.actor.lora, cfg.trainer.seed)
         policy.eval().requires_grad_(False)
-        return HFEngine(policy, eos_ids, pad_id, cfg.rollout.max_batch_size)
+        return HFEngine(
+            policy, eos_ids, pad_id, cfg.rollout.max_batch_size, cfg.rollout.static_decode
+        )
     return _vllm_engine(cfg, eos_ids, model_dir, weight_transfer)
 
 

@@ -116,3 +116,23 @@ def test_no_forward_attends_through_cudnn_plans_and_the_process_keeps_its_choice
     _actor_update(model)
     assert len(seen) > engine_forwards and not any(seen)
     assert torch.backends.cuda.cudnn_sdp_enabled()
+
+
+def test_a_static_decode_forward_syncs_nothing(counted, monkeypatch):
+    """What a CUDA graph records (static_decode.py's arena forward: the model over the arena's
+    buffers) may not sync the host at all: a capture fails on the first sync."""
+    from specrl.engines.hf.static_decode import Arena
+
+    run, forwards = Arena._run, []
+
+    def counted_run(self, model, rows):
+        logits = []
+        forwards.append(counted(lambda: logits.append(run(self, model, rows))))
+        return logits[0]
+
+    monkeypatch.setattr(Arena, "_run", counted_run)
+    engine = HFEngine(make_tiny_model(), [NEVER], PAD, static_decode=True)
+    engine.generate(
+        [GenRequest([2, 3, 4 + i % 5], 10, SamplingParams(1.0), seed=i) for i in range(5)]
+    )
+    assert len(forwards) == 10 and all(count == (0, 0) for count in forwards), forwards

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-from specrl.engines.hf.kv_cache import DecodeCache, drop_padding
+from specrl.engines.hf.kv_cache import DecodeCache
 from specrl.engines.protocol import GenRequest
 from specrl.engines.sampling import RowSampling, seeded_uniform
 
@@ -54,7 +54,7 @@ class DecodeBatch:
             sampling=RowSampling.of([requests[i].sampling for i in live], device),
             rejected=[requests[i].excluded_tokens for i in live],
             cache=cache,
-            attention=drop_padding(cache, attention),
+            attention=cache.drop_padding(attention),
         )
 
     def __len__(self) -> int:
@@ -119,7 +119,7 @@ class DecodeBatch:
                 t[keep] for t in (self.rows, self.tokens, self.positions, self.left, self.done)
             )
             self.uniforms, self.sampling = self.uniforms[keep], self.sampling.select(keep)
-            self.attention = drop_padding(self.cache, self.attention[keep])
+            self.attention = self.cache.drop_padding(self.attention[keep])
         self.rejected = [()] * len(self.rows)
         if width and _sparse(self.attention):
             self.attention = self.cache.compact(self.attention)

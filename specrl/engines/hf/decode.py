@@ -23,6 +23,7 @@ from specrl.engines.accounting import ForwardCounts, causal_attended
 from specrl.engines.hf.batch import DecodeBatch
 from specrl.engines.hf.kv_cache import DecodeCache, layers_kv, merge
 from specrl.engines.hf.prefix_cache import Hit, PrefixCache
+from specrl.engines.hf.static_decode import StaticDecode
 from specrl.engines.protocol import Drafter, GenRequest, GenResult
 from specrl.engines.sampling import (
     RowSampling,
@@ -40,7 +41,7 @@ Forward = Callable[..., torch.Tensor]
 @dataclass
 class Decoder:
     """One `generate` call's decoding: the engine's forward and token ids, the caller's prefix
-    handle and drafter (either may be None)."""
+    handle and drafter, the engine's static-shape decoding (any of the three may be None)."""
 
     forward: Forward
     counts: ForwardCounts
@@ -49,6 +50,7 @@ class Decoder:
     device: torch.device
     prefixes: PrefixCache | None = None
     drafter: Drafter | None = None
+    static: StaticDecode | None = None
 
     def decode(self, requests: Sequence[GenRequest], indices: list[int]) -> list[GenResult]:
         """Decode `requests` as one batch; `indices` are their numbers for the drafter. With a
@@ -64,14 +66,19 @@ class Decoder:
         if not live:
             return results
         contexts = [list(requests[i].prompt_ids) + list(requests[i].prefix_ids) for i in live]
-        batch = DecodeBatch.start(requests, live, contexts, *self._prefill(contexts))
+        cache, attention = self._prefill(contexts)
+        forward = self.forward
+        if self.static is not None and drafter is None and cache.layers:  # plain decoding
+            most = max(requests[i].max_new_tokens for i in live)
+            cache, forward = self.static.adopt(cache, attention, most), self.static
+        batch = DecodeBatch.start(requests, live, contexts, cache, attention)
         eos = torch.tensor(sorted(self.eos_token_ids), device=self.device)
         while True:
             started = time.perf_counter()
             drafts = self._drafts(batch, results, indices)
             fed, proposed, cols = batch.feed(drafts, self.pad_token_id)
             positions = batch.positions[:, None] + cols
-            logits = self.forward("decode", fed, batch.attention, positions, batch.cache)
+            logits = forward("decode", fed, batch.attention, positions, batch.cache)
             self._count_decode(batch.attention, proposed, fed.shape[1])
             sampled, logprobs = self._sample(
                 logits, batch.sampling, batch.column_uniforms(cols), batch.rejected

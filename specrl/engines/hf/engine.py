@@ -21,6 +21,7 @@ from specrl.engines.accounting import ForwardCounts
 from specrl.engines.hf.decode import Decoder, left_pad, padded_counts, prefill_counts
 from specrl.engines.hf.kv_cache import layers_kv
 from specrl.engines.hf.prefix_cache import PrefixCache
+from specrl.engines.hf.static_decode import StaticDecode
 from specrl.engines.protocol import (
     Capabilities,
     Drafter,
@@ -54,12 +55,15 @@ class HFEngine:
         eos_token_ids: Sequence[int],
         pad_token_id: int,
         max_batch_size: int = 512,
+        static_decode: bool = False,
     ) -> None:
         self.model = model
         self.eos_token_ids = frozenset(eos_token_ids)
         self.pad_token_id = pad_token_id
         self.max_batch_size = max_batch_size
         self.counts = ForwardCounts()
+        # plain decoding at static shapes, on CUDA as CUDA graphs (static_decode.py)
+        self.static = StaticDecode(model, pad_token_id, self.counts) if static_decode else None
 
     @classmethod
     def from_pretrained(
@@ -81,7 +85,7 @@ class HFEngine:
     def generate(
         self, requests: Sequence[GenRequest], prefixes: PrefixCache | None = None
     ) -> list[GenResult]:
-        return self._decode(requests, Decoder(*self._decoder_args(), prefixes))
+        return self._decode(requests, Decoder(*self._decoder_args(), prefixes, static=self.static))
 
     def generate_with_drafts(
         self,

@@ -26,6 +26,14 @@ class DecodeCache(DynamicCache):
         for layer in self.layers:
             layer.keep_rows(keep, moved)
 
+    def drop_padding(self, attention: torch.Tensor) -> torch.Tensor:
+        """Drop the leading KV columns no row attends to (attention [B, W]), as when the rows
+        with the longest contexts have left: → the attention mask of the columns kept."""
+        padding = int(attention.argmax(1).min()) if attention.numel() else 0
+        if padding:
+            self.drop_front(padding)
+        return attention[:, padding:]
+
     def drop_front(self, columns: int) -> None:
         """Drop the first `columns` KV columns, which no row attends to."""
         for layer in self.layers:
@@ -136,15 +144,6 @@ def _grown(cached: torch.Tensor, new: torch.Tensor, spare: int) -> torch.Tensor:
     if start:
         buffer[:, :, :start] = cached
     return buffer
-
-
-def drop_padding(cache: DecodeCache, attention: torch.Tensor) -> torch.Tensor:
-    """Drop the leading KV columns no row attends to (attention [B, W]), as when the rows with
-    the longest contexts have left: → the attention mask of the columns kept."""
-    padding = int(attention.argmax(1).min()) if attention.numel() else 0
-    if padding:
-        cache.drop_front(padding)
-    return attention[:, padding:]
 
 
 def layers_kv(cache: DynamicCache) -> list[torch.Tensor]:

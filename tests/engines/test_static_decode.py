@@ -1,0 +1,86 @@
+"""Plain decoding at static shapes (static_decode.py) against the eager decode loop, on the CPU:
+the same tokens and finish reasons, logprobs equal to float rounding, every forward at a bucketed
+batch over one arena's columns. (On CUDA each bucket's forward is a CUDA graph: not run here.)"""
+
+import torch
+
+from specrl.config import SpecConfig
+from specrl.engines import GenRequest, SamplingParams
+from specrl.engines.hf import HFEngine
+from specrl.engines.hf.static_decode import COLUMN_BUCKET, bucket
+from specrl.speculative.stage import SpeculativeStage
+from specrl.types import Example, Prompt
+from tests.conftest import EOS, PAD, make_tiny_model
+
+
+def engines(init: float) -> tuple[HFEngine, HFEngine]:
+    model = make_tiny_model(init=init)
+    return HFEngine(model, [EOS], PAD), HFEngine(model, [EOS], PAD, static_decode=True)
+
+
+def requests(count: int, sampling: SamplingParams) -> list[GenRequest]:
+    """Prompts of 1-9 tokens, budgets of 6-20 tokens: rows start at different widths and leave
+    at different forwards (their budgets, or the eos token)."""
+    return [
+        GenRequest([2 + (i + j) % 10 for j in range(1 + i % 9)], 6 + (3 * i) % 15, sampling, seed=i)
+        for i in range(count)
+    ]
+
+
+def assert_same(eager, static) -> None:
+    for a, b in zip(eager, static, strict=True):
+        assert a.token_ids == b.token_ids and a.finish_reason == b.finish_reason
+        assert torch.allclose(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-5)
+
+
+def test_static_decoding_samples_the_eager_loops_tokens():
+    eager, static = engines(init=0.3)
+    stopped = []
+    for sampling in (SamplingParams(1.0), SamplingParams(0.7, top_p=0.9), SamplingParams(0.0)):
+        got = static.generate(requests(13, sampling))
+        assert_same(eager.generate(requests(13, sampling)), got)
+        stopped += [len(r.token_ids) for r in got if r.finish_reason == "stop"]
+    assert any(n > 1 for n in stopped)  # rows left at the eos token, not only at their budgets
+
+
+def test_every_forward_is_at_a_bucketed_batch_over_one_arena_and_arenas_are_reused():
+    _, static = engines(init=2.0)
+    shapes = []
+    hook = static.model.register_forward_pre_hook(
+        lambda _, args, kwargs: shapes.append(
+            (kwargs["input_ids"].shape, kwargs["attention_mask"].shape)
+        ),
+        with_kwargs=True,
+    )
+    try:
+        static.generate(requests(13, SamplingParams(1.0)))
+    finally:
+        hook.remove()
+    prefill, *decode = shapes
+    assert prefill[0][1] > 1  # the prefill is eager: its own shape
+    batches = {ids[0] for ids, _ in decode}
+    assert all(ids[1] == 1 for ids, _ in decode)
+    assert batches <= {1, 2, 4, 8, 16} and 16 in batches and len(batches) > 1  # rows left
+    assert len({mask[-1] for _, mask in decode}) == 1  # the same columns every forward
+    assert decode[0][1][-1] % COLUMN_BUCKET == 0
+    static.generate(requests(13, SamplingParams(1.0)))
+    assert len(static.static.arenas) == 1  # the same shape: the same arena
+    assert [bucket(n) for n in (1, 2, 3, 5, 16, 17)] == [1, 2, 4, 8, 16, 32]
+
+
+def test_a_speculative_step_over_static_decoding_is_the_eager_steps():
+    """History tries walked, the rest decoded from the walks' prefixes (KV handed over from the
+    trie pass, first draws excluding the children left): the same rollouts either way."""
+    prompts = [Prompt((2, 3, 4 + i % 7, 5 + i % 3), Example(f"p{i}", "", "t")) for i in range(6)]
+    stages = [
+        SpeculativeStage(engine, SamplingParams(1.0), 12, SpecConfig(reuse="trie"))
+        for engine in engines(init=0.5)
+    ]
+    for step in range(3):
+        (eager, eager_stats), (static, _) = (s(prompts, 4, (1, step, 0), step) for s in stages)
+        for a, b in zip(eager, static, strict=True):
+            assert a.token_ids == b.token_ids
+            assert torch.allclose(
+                torch.tensor(a.current_logprobs), torch.tensor(b.current_logprobs), atol=1e-5
+            )
+    assert eager_stats.reused_tokens > 0
