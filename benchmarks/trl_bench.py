@@ -9,8 +9,9 @@ lr 7e-6 after 5 warm-up steps, clip 0.2 / 0.28, token-mean loss, no KL, float32)
 Per rollout step: the seconds of TRL's `_generate` (the rollout function's call, or TRL's own
 tokenizing and decoding) and of the step (its two optimizer steps, generation included); the
 reused token ratio of the specrl arm; the old-logprob passes TRL left out, taking the rollouts'
-logprobs (two optimizer steps per generation batch: TRL would recompute them); held-out accuracy (greedy, specrl's transformers engine,
-the same for every arm) before training and every `--eval-every` rollout steps. An untimed
+logprobs (two optimizer steps per generation batch: TRL would recompute them); held-out
+accuracy (greedy, specrl's transformers engine, the same for every arm) before training and
+every `--eval-every` rollout steps. An untimed
 warm-up (a few steps of the `trl` arm) runs first. Writes results.json and results.png. Run
 alone: it times.
 """

@@ -43,7 +43,7 @@ def test_static_decoding_samples_the_eager_loops_tokens():
     assert any(n > 1 for n in stopped)  # rows left at the eos token, not only at their budgets
 
 
-def test_every_forward_is_at_a_bucketed_batch_over_one_arena_and_arenas_are_reused():
+def test_every_forward_is_at_a_bucketed_batch_over_one_arena_that_grows_when_needed():
     _, static = engines(init=2.0)
     shapes = []
     hook = static.model.register_forward_pre_hook(
@@ -63,8 +63,11 @@ def test_every_forward_is_at_a_bucketed_batch_over_one_arena_and_arenas_are_reus
     assert batches <= {1, 2, 4, 8, 16} and 16 in batches and len(batches) > 1  # rows left
     assert len({mask[-1] for _, mask in decode}) == 1  # the same columns every forward
     assert decode[0][1][-1] % COLUMN_BUCKET == 0
-    static.generate(requests(13, SamplingParams(1.0)))
-    assert len(static.static.arenas) == 1  # the same shape: the same arena
+    arena = static.static.arena
+    static.generate(requests(5, SamplingParams(1.0)))
+    assert static.static.arena is arena  # a smaller call: the same arena
+    static.generate(requests(20, SamplingParams(1.0)))
+    assert static.static.arena.rows == 32  # a larger one grows it
     assert [bucket(n) for n in (1, 2, 3, 5, 16, 17)] == [1, 2, 4, 8, 16, 32]
 
 

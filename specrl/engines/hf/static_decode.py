@@ -5,9 +5,10 @@ replayed.
 The eager decode loop (decode.py) narrows its KV cache as rows finish and drops the columns no
 row attends to, so its forwards change shape as they go; on a GPU a small model's decode forward
 is then bound by the host launching its kernels one by one. Here a decode call's KV lives in an
-`Arena`: buffers [rows, kv heads, columns, head dim] per layer, `rows` the call's batch rounded up
-to a power of two and `columns` its widest context plus its largest token budget rounded up to
-`COLUMN_BUCKET`. A forward feeds the live rows padded to the next power of two (idle rows feed
+`Arena`: buffers [rows, kv heads, columns, head dim] per layer, `rows` the largest batch so far
+rounded up to a power of two and `columns` the most any call has needed (widest context plus
+largest token budget) rounded up to `COLUMN_BUCKET`: one arena, replaced by a larger one when a
+call needs more. A forward feeds the live rows padded to the next power of two (idle rows feed
 the pad token at position 0 and attend to column 0; their outputs are dropped), writes its new KV
 column in place (every row writes the same column: contexts are left-padded) and attends through
 a 4-D mask over all the arena's columns. Columns not written in this call are masked; the buffers
@@ -15,7 +16,7 @@ start zeroed and hold only KV computed since, so what a masked column holds is f
 exactly 0. Finished rows leave as in the eager cache (the last live rows move into their places).
 On CUDA the forward of each bucket is captured after two warm-up runs on a side stream (the
 runs write the same KV the step writes) and replayed for every later forward of that bucket, in
-this call and in later calls with an arena of the same shape. Drafts (token trees, stored drafts
+this call and in later calls. Drafts (token trees, stored drafts
 verified in decoding) change a forward's width every step: those calls keep the eager loop.
 
 The tokens are the eager loop's: the same uniforms and logits over the same attended columns,
@@ -60,10 +61,12 @@ class Arena:
         self.pool = torch.cuda.graph_pool_handle() if self.device.type == "cuda" else None
 
     def fits(self, like: list[torch.Tensor], rows: int, columns: int) -> bool:
+        """Whether it holds KV like `like` for `rows` rows and `columns` columns (or more)."""
         return (
             len(like) == len(self.kv)
             and all(a.shape[1::2] == t.shape[1::2] for a, t in zip(self.kv, like, strict=True))
-            and (rows, columns) == (self.rows, self.columns)
+            and rows <= self.rows
+            and columns <= self.columns
             and like[0].dtype == self.kv[0].dtype
             and like[0].device == self.device
         )
@@ -155,7 +158,7 @@ class StaticDecode:
         self.model = model
         self.pad_token_id = pad_token_id
         self.counts = counts
-        self.arenas: list[Arena] = []
+        self.arena: Arena | None = None  # one, grown to the largest call: memory stays bounded
 
     def adopt(self, cache: DecodeCache, attention: torch.Tensor, max_new_tokens: int) -> StaticKV:
         """The arena cache holding `cache`'s KV (attention [B, W]), with room for
@@ -163,10 +166,12 @@ class StaticDecode:
         kv = layers_kv(cache)
         rows, width = attention.shape
         columns = -(-(width + max_new_tokens) // COLUMN_BUCKET) * COLUMN_BUCKET
-        arena = next((a for a in self.arenas if a.fits(kv, bucket(rows), columns)), None)
-        if arena is None:
-            arena = Arena(kv, bucket(rows), columns)
-            self.arenas.append(arena)
+        arena = self.arena
+        if arena is None or not arena.fits(kv, bucket(rows), columns):
+            size = (bucket(rows), columns)
+            if arena is not None and arena.fits(kv, 0, 0):  # the same model: grow it
+                size = (max(size[0], arena.rows), max(columns, arena.columns))
+            arena = self.arena = Arena(kv, *size)
         for buffer, t in zip(arena.kv, kv, strict=True):
             buffer[:rows, :, :width] = t
         return arena.cache
