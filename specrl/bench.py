@@ -24,14 +24,19 @@ wall clocks around the rollout stage (verification included) and around whole st
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import os
+import random
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
+
+import numpy as np
+import torch
 
 from specrl.assemble import trainer_device
 from specrl.bench_summary import WINDOW_STEPS, summarize, window_lines
@@ -108,12 +113,15 @@ def run_bench(
     log=print,
     warmup_steps: int = WARMUP_STEPS,
     window: int = WINDOW_STEPS,
+    interleave: bool = False,
 ) -> dict[str, Any]:
     """Every arm once per seed (default: the config's `trainer.seed`); with several seeds each
     seed's runs go to DIR/seed<N>/<arm> and bench.json pools them (see `summarize`). The arms
     take turns going first: seed k runs them rotated by k (`arm_order`), so with as many seeds
     as arms each arm runs once in every place, and a machine that slows down (or speeds up)
-    over a long bench favours none of them."""
+    over a long bench favours none of them. `interleave`: each seed's arms train at once, one
+    step each in turn (`train_in_turns`), so a window's figures of two arms are measured over
+    the same minutes."""
     seeds = list(seeds or [cfg.trainer.seed])
     arms = arms or DEFAULT_ARMS
     if cfg.trainer.num_threads == "auto":  # decided once: every arm computes with the same
@@ -130,17 +138,27 @@ def run_bench(
     order = {seed: [*arms[k % len(arms) :], *arms[: k % len(arms)]] for k, seed in enumerate(seeds)}
     for seed in seeds:
         seed_dir = out_dir if len(seeds) == 1 else out_dir / f"seed{seed}"
-        for arm in order[seed]:
-            log(f"bench: training the {arm} arm (seed {seed}) into {seed_dir / arm}")
-            trainer = Trainer(arm_config(cfg, arm, seed, seed_dir))
-            model_dir = Path(trainer.run.model_dir)
-            shape = shape or policy_shape(model_dir)
-            trainer.fit()
-            runs[arm].append(trainer.run.tracker.history)
-            plotted[arm if len(seeds) == 1 else f"{arm} seed {seed}"] = trainer.run.tracker.history
-            load[f"{arm} seed {seed}"] = _load_average()
+        if interleave:
+            log(f"bench: training the arms {', '.join(order[seed])} (seed {seed}) step by step, "
+                f"taking turns, into {seed_dir}")  # fmt: skip
+            histories, model_dir = train_in_turns(cfg, order[seed], seed, seed_dir, log)
+            load[f"seed {seed}"] = _load_average()
+        else:
+            histories = {}
+            for arm in order[seed]:
+                log(f"bench: training the {arm} arm (seed {seed}) into {seed_dir / arm}")
+                trainer = Trainer(arm_config(cfg, arm, seed, seed_dir))
+                trainer.fit()
+                histories[arm], model_dir = trainer.run.tracker.history, trainer.run.model_dir
+                load[f"{arm} seed {seed}"] = _load_average()
+        model_dir = Path(model_dir)
+        shape = shape or policy_shape(model_dir)
+        for arm, history in histories.items():
+            runs[arm].append(history)
+            plotted[arm if len(seeds) == 1 else f"{arm} seed {seed}"] = history
     result = summarize(runs, cfg, seeds, window)
     result["arm_order"] = {str(seed): arms_run for seed, arms_run in order.items()}
+    result["interleaved"] = interleave
     result["warmup"] = warmup
     result["load_average"] = load
     result["warnings"] = timing_warnings(result, load, os.cpu_count() or 1)
@@ -160,6 +178,68 @@ def run_bench(
     panels = [*BENCH_PANELS[:2], heldout, *BENCH_PANELS[2:], TREE_PANEL]
     plot_metrics(plotted, panels, out_dir / "bench.png", title)
     return result
+
+
+def train_in_turns(
+    cfg: Config, arms: Sequence[str], seed: int, seed_dir: Path, log
+) -> tuple[dict[str, list[dict[str, float]]], str]:
+    """The arms' runs of one seed trained at once in one process, one step of each in turn (the
+    first arm going first in odd steps, the last in even ones): their histories, and the policy
+    they trained. Each run keeps its own global random generators (`RandomState`), so it
+    computes what it would alone; the arms' own console lines give way to one line per step."""
+    trainers, states = {}, {}
+    for arm in arms:
+        arm_cfg = arm_config(cfg, arm, seed, seed_dir)
+        arm_cfg.trainer.logger = [x for x in arm_cfg.trainer.logger if x != "console"]
+        trainers[arm] = Trainer(arm_cfg)
+        states[arm] = RandomState()  # as its build left them
+    with contextlib.ExitStack() as stack:  # leaving, shuts the runs down
+        for arm, trainer in trainers.items():
+            with states[arm].active():
+                stack.enter_context(trainer.running())
+        turn = list(arms)
+        while not all(t.finished for t in trainers.values()):
+            seconds = {}
+            for arm in turn:
+                with states[arm].active():
+                    seconds[arm] = trainers[arm].step()["timing_s/rollout"]
+            step = trainers[arms[0]].run.global_step
+            log(
+                f"bench: step {step}: rollouts "
+                + ", ".join(f"{a} {s:.2f} s" for a, s in seconds.items())
+            )
+            turn.reverse()
+    histories = {arm: t.run.tracker.history for arm, t in trainers.items()}
+    return histories, trainers[arms[0]].run.model_dir
+
+
+class RandomState:
+    """The process's global random generators (Python's, NumPy's, torch's on the CPU and on
+    CUDA) as one run left them: runs taking turns in one process each draw from their own."""
+
+    def __init__(self) -> None:
+        self.save()
+
+    def save(self) -> None:
+        self.state = (
+            random.getstate(),
+            np.random.get_state(),
+            torch.get_rng_state(),
+            torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
+        )
+
+    @contextlib.contextmanager
+    def active(self) -> Iterator[None]:
+        python, numpy, cpu, cuda = self.state
+        random.setstate(python)
+        np.random.set_state(numpy)
+        torch.set_rng_state(cpu)
+        if cuda is not None:
+            torch.cuda.set_rng_state_all(cuda)
+        try:
+            yield
+        finally:
+            self.save()
 
 
 EPOCH0_TOLERANCE = 0.15  # the arms' first epochs, the same work, may differ this much

@@ -31,6 +31,7 @@ def main(argv: list[str] | None = None) -> int:
                 args.seeds,
                 args.warmup_steps,
                 args.window,
+                args.interleave,
                 args.overrides,
             )
         if args.command == "report":
@@ -109,6 +110,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--seeds",
         help="comma-separated seeds: every arm trains once per seed and bench.json pools them "
         "(default: trainer.seed)",
+    )
+    bench.add_argument(
+        "--interleave",
+        action="store_true",
+        help="train each seed's arms at once, one step of each in turn, so every window's times "
+        "are measured over the same minutes (all arms' models in memory at once)",
     )
     bench.add_argument(
         "overrides",
@@ -247,6 +254,7 @@ def _bench(
     seeds: str | None,
     warmup_steps: int | None,
     window: int,
+    interleave: bool,
     overrides: list[str],
 ) -> int:
     import json
@@ -262,8 +270,9 @@ def _bench(
         raise UserError(f"--window {window}: give a number of steps, 1 or more")
     cfg = load_config(config_path, overrides, log=_note)
     result = run_bench(
-        cfg, Path(out), arm_names, seed_list, warmup_steps=warmup_steps, window=window
-    )
+        cfg, Path(out), arm_names, seed_list, warmup_steps=warmup_steps, window=window,
+        interleave=interleave,
+    )  # fmt: skip
     print(json.dumps(result, indent=2))
     return 0
 

@@ -5,8 +5,10 @@ actor/."""
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import time
+from collections.abc import Iterator
 
 import numpy as np
 import torch
@@ -36,6 +38,20 @@ class Trainer:
 
     # ---------------------------------------------------------------- loop
     def fit(self) -> dict[str, float]:
+        with self.running():
+            while not self.finished:
+                self.step()
+        return self.run.tracker.summary(self.run.run_dir)
+
+    @property
+    def finished(self) -> bool:
+        return self.run.global_step >= self.run.total_steps
+
+    @contextlib.contextmanager
+    def running(self) -> Iterator[None]:
+        """The run started (config saved, tracker started, the evaluation before training) and,
+        on leaving, shut down; `step` runs one step inside. `fit` runs every step; the bench
+        enters several runs at once and steps them in turn."""
         run = self.run
         save_config(run.cfg, run.run_dir / "config.yaml")
         if run.threads_note:  # after every check of the input: bad input gets one line
@@ -57,32 +73,36 @@ class Trainer:
         gc.freeze()
         try:
             with (
-                run.tracker.progress(run.total_steps, run.global_step) as advance,
-                StopSignals() as stop,
+                run.tracker.progress(run.total_steps, run.global_step) as self._advance,
+                StopSignals() as self._stop,
             ):
-                while run.global_step < run.total_steps:
-                    run.global_step += 1
-                    metrics = self.train_step()
-                    self._check_finite(metrics)
-                    if run.cfg.trainer.test_freq > 0 and self._due(run.cfg.trainer.test_freq):
-                        metrics.update(run.validate())
-                    if self._due(run.cfg.trainer.save_freq) or stop.received:
-                        path = run.save()
-                    run.tracker.log(metrics)
-                    advance(metrics)
-                    if stop.received:
-                        raise RunInterrupted(
-                            f"interrupted at step {run.global_step}; saved {path}; rerun the "
-                            "same command to resume",
-                            stop.received,
-                        )
+                yield
         finally:
             gc.unfreeze()
             run.rollouts.shutdown()
             run.actor.shutdown()
             run.tracker.close()
             run.lock.release()
-        return run.tracker.summary(run.run_dir)
+
+    def step(self) -> dict[str, float]:
+        """One step of the run (inside `running`): train, evaluate and save when due, log."""
+        run = self.run
+        run.global_step += 1
+        metrics = self.train_step()
+        self._check_finite(metrics)
+        if run.cfg.trainer.test_freq > 0 and self._due(run.cfg.trainer.test_freq):
+            metrics.update(run.validate())
+        if self._due(run.cfg.trainer.save_freq) or self._stop.received:
+            path = run.save()
+        run.tracker.log(metrics)
+        self._advance(metrics)
+        if self._stop.received:
+            raise RunInterrupted(
+                f"interrupted at step {run.global_step}; saved {path}; rerun the "
+                "same command to resume",
+                self._stop.received,
+            )
+        return metrics
 
     def _check_finite(self, metrics: dict[str, float]) -> None:
         """Skipped updates are reported every step; trainer.max_bad_steps in a row stop the run

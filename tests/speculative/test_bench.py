@@ -150,3 +150,34 @@ def test_timings_of_a_disturbed_bench_are_flagged():
     assert (
         "trie arm's rollout speedup per response token 2.03 exceeds its limit 1.79" in warnings[3]
     )
+
+
+def test_interleaved_arms_train_as_they_do_one_after_another(tiny_policy_dir, tmp_path):
+    reward = tmp_path / "reward.py"  # a reward the tiny policy's samples vary in: it learns
+    reward.write_text(
+        "def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
+        "    return solution_str.count('7') / max(len(solution_str), 1)\n"
+    )
+    # the verification budget and adaptive drafts decide from timings: off, so runs can repeat;
+    # adapter dropout draws from the global generators, which each arm keeps its own of
+    cfg = small_config(
+        tiny_policy_dir, tmp_path / "unused", "data.train_size=8", "trainer.total_training_steps=4",
+        "trainer.save_freq=0", "trainer.test_freq=2", "rollout.spec.verify_budget=false",
+        "rollout.spec.tree.adaptive=false", "actor.lora.rank=4", "actor.lora.dropout=0.1",
+        f"custom_reward_function.path={reward}", "actor.optim.lr=3e-3",
+    )  # fmt: skip
+    lines = []
+    arms = ("vanilla", "spec", "trie")
+    apart = run_bench(cfg, tmp_path / "apart", arms, log=lambda _: None, warmup_steps=0)
+    turns = run_bench(cfg, tmp_path / "turns", arms, log=lines.append, warmup_steps=0,
+                      interleave=True)  # fmt: skip
+    assert turns["interleaved"] and not apart["interleaved"]
+    assert sum(line.startswith("bench: step ") for line in lines) == 4
+    assert "bench: step 2: rollouts trie" in "\n".join(lines)  # the last arm goes first
+    keys = ("critic/score/mean", "response_length/mean", "actor/pg_loss", "actor/grad_norm",
+            "spec/reused_tokens")  # fmt: skip
+    for arm in arms:
+        runs = [read_metrics(tmp_path / bench / arm)[1:] for bench in ("apart", "turns")]
+        assert all(m["actor/grad_norm"] > 0 for m in runs[0])  # it learns
+        assert [[m[k] for k in keys] for m in runs[0]] == [[m[k] for k in keys] for m in runs[1]]
+    assert turns["arms"]["trie"]["reused_token_ratio"] > 0
