@@ -43,32 +43,26 @@ class Trainer:
                 self.step()
         return self.run.tracker.summary(self.run.run_dir)
 
-    @property
-    def finished(self) -> bool:
-        return self.run.global_step >= self.run.total_steps
+    finished = property(lambda self: self.run.global_step >= self.run.total_steps)
 
     @contextlib.contextmanager
     def running(self) -> Iterator[None]:
-        """The run started (config saved, tracker started, the evaluation before training) and,
-        on leaving, shut down; `step` runs one step inside. `fit` runs every step; the bench
-        enters several runs at once and steps them in turn."""
+        """The run started (config saved, tracker started, evaluated before training), and shut
+        down on leaving; `step` runs a step inside (the bench steps several runs in turn)."""
         run = self.run
         save_config(run.cfg, run.run_dir / "config.yaml")
         if run.threads_note:  # after every check of the input: bad input gets one line
             run.tracker.print(run.threads_note)
         if run.resume_from is not None:
-            run.tracker.print(
-                f"resuming from {run.resume_from} at step {run.global_step} "
-                "(trainer.resume_mode=disable starts over)"
-            )
+            run.tracker.print(f"resuming from {run.resume_from} at step {run.global_step} "
+                              "(trainer.resume_mode=disable starts over)")  # fmt: skip
             run.tracker.start(keep_through_step=run.global_step, config=run.cfg.model_dump())
         else:
             run.tracker.start(config=run.cfg.model_dump())
             if run.cfg.trainer.val_before_train:
                 run.tracker.log({"training/global_step": 0, **run.validate()})
         # Everything alive now (model, data, library objects: ~400k) lives through the run; frozen,
-        # the garbage collector stops scanning it (as vLLM does after start-up): a full collection
-        # took ~0.1 s here, several times per epoch.
+        # the collector stops scanning it (as vLLM's does): a full collection took ~0.1 s here.
         gc.collect()
         gc.freeze()
         try:
@@ -98,10 +92,9 @@ class Trainer:
         self._advance(metrics)
         if self._stop.received:
             raise RunInterrupted(
-                f"interrupted at step {run.global_step}; saved {path}; rerun the "
-                "same command to resume",
-                self._stop.received,
-            )
+                f"interrupted at step {run.global_step}; saved {path}; rerun the same command to "
+                "resume", self._stop.received,
+            )  # fmt: skip
         return metrics
 
     def _check_finite(self, metrics: dict[str, float]) -> None:
@@ -150,16 +143,10 @@ class Trainer:
         with timed(metrics, "sync"):
             metrics["sync/weight_bytes"] = run.sync_weights()
         metrics["timing_s/step"] = time.perf_counter() - step_start
-        step_scores = torch.tensor(scores.scores)
-        metrics.update(
-            data_metrics(
-                rollouts,
-                step_scores,
-                batch.advantages,
-                batch.response_mask,
-                metrics["timing_s/step"],
-            )
-        )
+        metrics.update(data_metrics(
+            rollouts, torch.tensor(scores.scores), batch.advantages, batch.response_mask,
+            metrics["timing_s/step"],
+        ))  # fmt: skip
         metrics["training/epoch"] = run.loader.epoch
         return metrics
 
@@ -239,12 +226,9 @@ class Trainer:
             [r.behaviour_logprobs or r.current_logprobs for r in rollouts]
         )
         batch.is_weights, corrected = correction_weights(
-            batch.old_logprobs,
-            behaviour,
-            batch.response_mask,
-            cfg.algorithm.rollout_correction,
+            batch.old_logprobs, behaviour, batch.response_mask, cfg.algorithm.rollout_correction,
             off_policy,
-        )
+        )  # fmt: skip
         metrics.update(corrected)
         if cfg.actor.use_kl_loss:
             with timed(metrics, "ref"):
@@ -254,13 +238,10 @@ class Trainer:
                 batch.values = run.critic.values(batch)
         with timed(metrics, "adv"):
             inputs = AdvantageInputs(
-                torch.tensor(scores.scores).view(-1, cfg.rollout.n),
-                batch.response_mask,
-                cfg.algorithm.gamma,
-                cfg.algorithm.norm_adv_by_std_in_grpo,
-                batch.values,
+                torch.tensor(scores.scores).view(-1, cfg.rollout.n), batch.response_mask,
+                cfg.algorithm.gamma, cfg.algorithm.norm_adv_by_std_in_grpo, batch.values,
                 cfg.algorithm.lam,
-            )
+            )  # fmt: skip
             batch.advantages, batch.returns = compute_advantages(
                 cfg.algorithm.adv_estimator, inputs
             )

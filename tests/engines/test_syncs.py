@@ -79,7 +79,7 @@ def test_a_trie_step_syncs_per_forward_not_per_slot_or_node(counted):
     for count in (2, 16):
         prompts = [Prompt((2, 3, 4 + i % 7, 5 + i % 3), Example(f"p{i}", "", "t")) for i in range(count)]  # fmt: skip
         engine = HFEngine(make_tiny_model(init=0.5), [NEVER], PAD)
-        cfg = SpecConfig(enabled=True, acceptance="exact", reuse="trie")
+        cfg = SpecConfig(enabled=True, acceptance="exact", reuse="trie", verify_budget=False)
         stage = SpeculativeStage(engine, SamplingParams(1.0), 10, cfg)
         stage(prompts, 4, (1, 0, 0), 0)
         out = []
@@ -107,7 +107,10 @@ def test_no_forward_attends_through_cudnn_plans_and_the_process_keeps_its_choice
     engine = HFEngine(model, [NEVER], PAD)
     prompts = [Prompt((2, 3, 4 + i), Example(f"p{i}", "", "t")) for i in range(3)]
     stage = SpeculativeStage(
-        engine, SamplingParams(1.0), 6, SpecConfig(enabled=True, acceptance="exact", reuse="trie")
+        engine,
+        SamplingParams(1.0),
+        6,
+        SpecConfig(enabled=True, acceptance="exact", reuse="trie", verify_budget=False),
     )
     stage(prompts, 2, (1, 0, 0), 0)
     _, stats = stage(prompts, 2, (1, 1, 0), 1)  # a trie pass, then decoding

@@ -61,6 +61,8 @@ def engine(seed=0, vocab=VOCAB):
 
 
 def stage(target, budget=16, **spec):
+    """Per-slot drafts verified whole (the verification budget decides from timings)."""
+    spec = {"verify_budget": False, **spec}
     cfg = SpecConfig(enabled=True, reuse="slot", tree=TreeConfig(enabled=False), **spec)
     return SpeculativeStage(target, SAMPLING, budget, cfg)
 

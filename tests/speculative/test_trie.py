@@ -9,6 +9,7 @@ import torch
 
 from specrl.config import ConfigError, SpecConfig, load_config
 from specrl.engines import GREEDY, GenRequest, LogprobRequest, SamplingParams, TrieRequest
+from specrl.engines.accounting import ForwardCounts
 from specrl.engines.hf import HFEngine
 from specrl.rollouts import sample_rollouts
 from specrl.speculative.drafting import DraftWidth
@@ -132,16 +133,39 @@ def test_the_budget_verifies_the_nodes_enough_walkers_are_expected_to_reach():
     budget = TrieBudget()
     budget.observe_verify(1.0, 1)
     budget.observe_decode(1.0, 1)
+    assert budget.drift == 0.9  # before any walk: the prior, one predicted move 0.9 taken
     selection = budget.select(tree, 4)
-    assert selection.nodes == path  # 4 · count / 5 > 1: the nodes two or more responses share
-    assert selection.expected_tokens == pytest.approx(4 * (4 + 3 + 2) / 5)
-    budget.observe_walks(1.0, 4.0)  # one move taken of four predicted: ρ = (1 + 1) / (4 + 1)
-    assert budget.drift == pytest.approx(0.4)
-    assert budget.select(tree, 4).nodes == path[:1]  # 4 · 0.4 · 4/5 > 1 > 4 · 0.16 · 3/5
-    for _ in range(30):  # nothing verified for a while: the evidence decays, ρ returns to 1
+    assert selection.nodes == path  # 4 · 0.9^d · count / 5 > 1: the nodes two or more share
+    assert selection.expected_tokens == pytest.approx(4 * (4 * 0.9 + 3 * 0.81 + 2 * 0.729) / 5)
+    budget.observe_walks(1.0, 4.0)  # one move taken of four predicted: ρ = (1 + 0.9) / (4 + 1)
+    assert budget.drift == pytest.approx(0.38)
+    assert budget.select(tree, 4).nodes == path[:1]  # 4 · 0.38 · 4/5 > 1 > 4 · 0.38² · 3/5
+    for _ in range(60):  # nothing verified for a while: the evidence decays, ρ returns to 0.9
         budget.observe_walks(0.0, 0.0)
-    assert budget.drift > 0.99 and budget.select(tree, 4).nodes == path
+    assert budget.drift == pytest.approx(0.9, abs=1e-3) and budget.select(tree, 4).nodes == path
     assert TrieBudget(enabled=False).select(tree, 1).nodes == list(range(1, tree.nodes + 1))
+
+
+def test_before_its_first_pass_the_budget_prices_a_node_as_a_prefilled_position():
+    budget = TrieBudget()
+    counts = ForwardCounts()
+    budget.observe_prefill(counts)
+    assert budget.node_cost is None  # no prefill yet
+    counts.record("prefill", rows=2, positions=40, kv_reads=40, attended=400)
+    counts.add_seconds("prefill", 2.0)
+    budget.observe_prefill(counts)
+    assert budget.node_cost == pytest.approx(0.05)
+    counts.record("prefill", rows=1, positions=10, kv_reads=10, attended=100)
+    counts.add_seconds("prefill", 1.5)
+    budget.observe_prefill(counts)  # the new forwards only, the earlier ones decayed
+    assert budget.node_cost == pytest.approx((0.8 * 2.0 + 1.5) / (0.8 * 40 + 10))
+    budget.observe_verify(3.0, 10)  # a timed pass: its price from now on
+    assert budget.node_cost == pytest.approx(0.3)
+    untimed = TrieBudget()  # an engine that does not time its forwards
+    counts = ForwardCounts()
+    counts.record("prefill", rows=2, positions=40, kv_reads=40, attended=400)
+    untimed.observe_prefill(counts)
+    assert untimed.node_cost is None
 
 
 def test_a_reused_token_saves_a_row_and_the_share_of_forwards_reuse_removes():

@@ -28,16 +28,23 @@ is, it shortens about as much as the tokens do. So c_token = cs + (a − cs) · 
 decoding's average seconds per token and r the share of the prompt's tokens its walks are
 expected to reuse, were every node verified (Σ ρ^depth · count over Σ count). Until cs is fitted
 (no forwards with drafts yet, or too little spread in their batch sizes) c_token is a, which
-overstates the saving where little is reused. All evidence decays by `decay` per call, and ρ's
-prior of one predicted move taken pulls it back to 1 where nothing was verified lately: a run that
-stopped verifying (early RL, the policy far from its history) tries again later, on the nodes
-near the roots first. Until both costs have been measured every node is verified. The budget is
-not checkpointed: a resumed run measures its machine again (one trie pass verifies everything).
+overstates the saving where little is reused. Until a verification pass has been timed, c_node
+is the engine's prefill seconds per position (a pass computes its positions as a prefill does;
+decoding's prefills are timed from the first call on). All evidence decays by `decay` per call.
+ρ has a prior of one predicted move, 0.9 of it taken: before any walk, the policy is taken to
+have moved from its history, so the first pass verifies the nodes within a few tokens of the
+roots and those many responses share, and the walks' evidence decides how deep later passes go
+(on a real model early in RL a first pass of every node cost half a step's decoding; on the
+shipped task the first pass, at 0.9, still reuses about half of what the next ones do). Where
+nothing was verified lately the prior pulls ρ back to 0.9: a run that stopped verifying (early
+RL, the policy far from its history) tries again later, on the nodes near the roots. Until both costs have been measured
+(on an engine that does not time its prefills, until its first pass) every node is verified.
+The budget is not checkpointed: a resumed run measures its machine again.
 
 **Drafts** (`reuse=slot`, verified in one pass or in chunks). A slot's draft token j is reused only
 when the rule accepts it and every token before it: with probability ≈ α^j, α the rule's per-token
 accept rate, fitted from the cuts (tokens accepted against tokens accepted plus rejections,
-decayed, with the same prior of one accepted token). Token j is verified while α^j · c_token
+decayed, with a prior like ρ's: one token decided, 0.9 of it accepted). Token j is verified while α^j · c_token
 exceeds c_node, c_node being the verification passes' seconds per position (context and draft)
 and c_token priced as for tries, with r the share of the drafts' tokens expected to be reused.
 The verified part is a prefix of the draft; a draft all of whose verified prefix is accepted is
@@ -52,6 +59,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from specrl.engines.accounting import ForwardCounts
 from specrl.speculative.drafting import DraftWidth
 from specrl.speculative.tree import ROOT, PromptTree
 
@@ -76,14 +84,19 @@ class VerifyCosts:
         self.enabled = enabled
         self.width = width
         self.decay = decay
-        # decayed sums: [seconds, positions] of verification passes, [seconds, tokens] of decoding
+        # decayed sums: [seconds, positions] of verification passes and of the engine's prefill
+        # forwards, [seconds, tokens] of decoding
         self._verify = np.zeros(2)
+        self._prefill = np.zeros(2)
         self._decode = np.zeros(2)
+        self._prefilled = (0.0, 0)  # the engine's prefill counts when last observed
 
     @property
     def node_cost(self) -> float | None:
-        """Seconds a verification pass spends per position (None: not measured yet)."""
-        return self._verify[0] / self._verify[1] if self._verify[1] > 0 else None
+        """Seconds a verification pass spends per position: as measured, or before any pass as a
+        prefill's (None: neither measured yet)."""
+        seconds, positions = self._verify if self._verify[1] > 0 else self._prefill
+        return seconds / positions if positions > 0 else None
 
     @property
     def average_token_cost(self) -> float | None:
@@ -112,6 +125,15 @@ class VerifyCosts:
         if tokens:
             self._decode = self.decay * self._decode + (seconds, tokens)
 
+    def observe_prefill(self, counts: ForwardCounts) -> None:
+        """The engine's prefill forwards since the last call, from its running `counts` (none
+        where the engine does not time its forwards)."""
+        seconds = counts.prefill_seconds - self._prefilled[0]
+        positions = counts.prefill_computed_positions - self._prefilled[1]
+        self._prefilled = (counts.prefill_seconds, counts.prefill_computed_positions)
+        if seconds > 0 and positions > 0:
+            self._prefill = self.decay * self._prefill + (seconds, positions)
+
 
 class TrieBudget(VerifyCosts):
     def __init__(
@@ -122,8 +144,9 @@ class TrieBudget(VerifyCosts):
 
     @property
     def drift(self) -> float:
-        """ρ: the walks' moves taken per move the trie's counts predicted (at most 1)."""
-        return min(1.0, (self._moves[0] + 1.0) / (self._moves[1] + 1.0))
+        """ρ: the walks' moves taken per move the trie's counts predicted (at most 1), from a
+        prior of one predicted move, 0.9 of it taken."""
+        return min(1.0, (self._moves[0] + 0.9) / (self._moves[1] + 1.0))
 
     def select(self, tree: PromptTree, walkers: int) -> Selection:
         """The nodes of `tree` worth verifying for `walkers` slots (all of them while the costs
@@ -161,9 +184,10 @@ class DraftBudget(VerifyCosts):
 
     @property
     def accept_rate(self) -> float:
-        """α: the rule's accepted tokens per token it decided on (at most 1)."""
+        """α: the rule's accepted tokens per token it decided on, from a prior of one token
+        decided, 0.9 of it accepted."""
         accepted, rejected = self._cuts
-        return (accepted + 1.0) / (accepted + rejected + 1.0)
+        return (accepted + 0.9) / (accepted + rejected + 1.0)
 
     def limit(self, lengths: list[int]) -> int | None:
         """The most tokens of a draft worth verifying, for drafts of these lengths (None: all of

@@ -138,8 +138,10 @@ class SlotReuse(StoredDraftReuse):
     def after_decoding(
         self, slots: list[Slot], results: dict[int, GenResult], stats: RolloutStats
     ) -> None:
-        """What decoding cost per token: the budget's price of a token not reused."""
+        """What decoding cost per token: the budget's price of a token not reused; what its
+        prefills cost per position: the price of a verified one before any pass is timed."""
         self.budget.observe_decode(stats.gen_s, sum(len(r.token_ids) for r in results.values()))
+        self.budget.observe_prefill(self.engine.counts)
         stats.draft_accept_rate = self.budget.accept_rate
 
 

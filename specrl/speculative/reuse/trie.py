@@ -108,8 +108,10 @@ class TrieReuse(Reuse):
     def after_decoding(
         self, slots: list[Slot], results: dict[int, GenResult], stats: RolloutStats
     ) -> None:
-        """What decoding cost per token: the budget's price of a token not reused."""
+        """What decoding cost per token: the budget's price of a token not reused; what its
+        prefills cost per position: the price of a node before any pass is timed."""
         self.budget.observe_decode(stats.gen_s, sum(len(r.token_ids) for r in results.values()))
+        self.budget.observe_prefill(self.engine.counts)
         stats.trie_node_cost_s = self.budget.node_cost or 0.0
         stats.trie_token_cost_s = self.budget.average_token_cost or 0.0
         stats.trie_row_cost_s = self.budget.row_cost or 0.0
