@@ -1,6 +1,9 @@
+import os
 import sys
+from pathlib import Path
 
 import pytest
+import torch
 
 from specrl.cli import main
 from specrl.config import GROUP_BASELINES, ConfigError, load_config
@@ -173,6 +176,35 @@ def test_corrupt_model_weights_and_tokenizer_without_pad_token(tiny_policy_dir, 
     _, tokenizer = load_policy(str(no_pad), "float32", log=said.append)
     assert tokenizer.pad_token == "<eos>"
     assert said == ["warning: the tokenizer has no pad token; padding with its eos token '<eos>'"]
+
+
+@pytest.mark.skipif(
+    torch.cuda.is_available() or not Path("/proc/self/maps").exists(),
+    reason="weights are copied on machines without CUDA; mappings read from Linux's /proc",
+)
+def test_on_the_cpu_the_weights_leave_the_checkpoint_mapping_and_stay_tied(tiny_policy_dir):
+    """Mapped from the safetensors file, a model's forwards ran at the speed of wherever the
+    kernel mapped it; in torch's allocator (huge pages: importing specrl sets
+    THP_MEM_ALLOC_ENABLE) two models decode alike."""
+    from specrl.models import in_allocator_memory, load_policy
+    from tests.conftest import make_chat_like_model
+
+    assert os.environ["THP_MEM_ALLOC_ENABLE"] == "1"
+    model, _ = load_policy(tiny_policy_dir, "float32")
+    mapped = [
+        tuple(int(x, 16) for x in line.split()[0].split("-"))
+        for line in Path("/proc/self/maps").read_text().splitlines()
+        if line.endswith(".safetensors")
+    ]
+    assert not [
+        name
+        for name, param in model.named_parameters()
+        if any(low <= param.data_ptr() < high for low, high in mapped)
+    ]
+    tied = make_chat_like_model()  # a model with tied embeddings
+    in_allocator_memory(tied)
+    output, embedding = tied.get_output_embeddings().weight, tied.get_input_embeddings().weight
+    assert output is embedding and output.data_ptr() == embedding.data_ptr()
 
 
 def test_missing_vllm_is_one_clear_error(monkeypatch, capsys, tiny_policy_dir, tmp_path):
