@@ -16,8 +16,8 @@ start zeroed and hold only KV computed since, so what a masked column holds is f
 exactly 0. Finished rows leave as in the eager cache (the last live rows move into their places).
 On CUDA the forward of each bucket is captured after two warm-up runs on a side stream (the
 runs write the same KV the step writes) and replayed for every later forward of that bucket, in
-this call and in later calls. Drafts (token trees, stored drafts
-verified in decoding) change a forward's width every step: those calls keep the eager loop.
+this call and in later calls. Drafts (token trees, stored drafts verified in decoding) change a
+forward's width every step: those calls keep the eager loop.
 
 The tokens are the eager loop's: the same uniforms and logits over the same attended columns,
 the masked ones adding exact zeros (float sums over a wider row may round differently in the last

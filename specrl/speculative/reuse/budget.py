@@ -37,16 +37,17 @@ roots and those many responses share, and the walks' evidence decides how deep l
 (on a real model early in RL a first pass of every node cost half a step's decoding; on the
 shipped task the first pass, at 0.9, still reuses about half of what the next ones do). Where
 nothing was verified lately the prior pulls ρ back to 0.9: a run that stopped verifying (early
-RL, the policy far from its history) tries again later, on the nodes near the roots. Until both costs have been measured
-(on an engine that does not time its prefills, until its first pass) every node is verified.
-The budget is not checkpointed: a resumed run measures its machine again.
+RL, the policy far from its history) tries again later, on the nodes near the roots. Until both
+costs have been measured (on an engine that does not time its prefills, until its first pass)
+every node is verified. The budget is not checkpointed: a resumed run measures its machine again.
 
 **Drafts** (`reuse=slot`, verified in one pass or in chunks). A slot's draft token j is reused only
 when the rule accepts it and every token before it: with probability ≈ α^j, α the rule's per-token
 accept rate, fitted from the cuts (tokens accepted against tokens accepted plus rejections,
-decayed, with a prior like ρ's: one token decided, 0.9 of it accepted). Token j is verified while α^j · c_token
-exceeds c_node, c_node being the verification passes' seconds per position (context and draft)
-and c_token priced as for tries, with r the share of the drafts' tokens expected to be reused.
+decayed, with a prior like ρ's: one token decided, 0.9 of it accepted). Token j is verified
+while α^j · c_token exceeds c_node, c_node being the verification passes' seconds per position
+(context and draft) and c_token priced as for tries, with r the share of the drafts' tokens
+expected to be reused.
 The verified part is a prefix of the draft; a draft all of whose verified prefix is accepted is
 continued by decoding from there, as if the draft had ended there (nothing was rejected, so no
 residual): under the exact rule the rollouts stay distributed as the policy's samples.
