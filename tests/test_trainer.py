@@ -142,6 +142,7 @@ def test_rollout_logprobs_handed_to_the_trainer_equal_recomputed_old_logprobs(
         "rollout.spec.log_lenience=.inf",
         f"rollout.spec.tree.enabled={tree}",
         "rollout.spec.tree.adaptive=false",
+        "rollout.spec.verify_budget=false",  # drafts verified whole: the budget decides from timings
     )
     trainer = Trainer(cfg)
     assert trainer.run.rollout_logprobs_are_old_logprobs
@@ -166,6 +167,7 @@ def test_speculative_training_reuses_drafts_from_the_second_epoch(tiny_policy_di
         "data.train_size=8",
         "trainer.total_training_steps=4",
         "rollout.spec.acceptance=specrl",
+        "rollout.spec.verify_budget=false",  # drafts verified: the budget decides from timings
     )
     Trainer(cfg).fit()
     steps = read_metrics(tmp_path)[1:]
