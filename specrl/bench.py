@@ -124,6 +124,12 @@ def run_bench(
     the same minutes."""
     seeds = list(seeds or [cfg.trainer.seed])
     arms = arms or DEFAULT_ARMS
+    if interleave and engine_kind(cfg.rollout.name).one_per_process:
+        raise UserError(
+            f"--interleave: the arms would take turns in one {cfg.rollout.name} engine per "
+            "process, each rolling out with the weights of the arm that updated last; run them "
+            "one after another (without --interleave)"
+        )
     if cfg.trainer.num_threads == "auto":  # decided once: every arm computes with the same
         cfg = cfg.model_copy(deep=True)
         cfg.trainer.num_threads, why = run_threads("auto", None)

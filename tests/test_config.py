@@ -33,6 +33,7 @@ from specrl.config import GROUP_BASELINES, ConfigError, load_config
             ["rollout.name=vllm", "rollout.static_decode=true"],
             "rollout.static_decode is the hf engine's",
         ),
+        (["rollout.block_size=32"], "rollout.block_size is vllm's prefix-cache block"),
         (["rollout.name=sglang"], "invalid value for rollout.name: 'sglang'"),
         (
             ["rollout.spec.tree.enabled=maybe"],

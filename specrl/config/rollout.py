@@ -166,6 +166,13 @@ class RolloutConfig(Section):
         description="vllm: run the model eagerly, without torch.compile or CUDA graphs (starts in "
         "seconds instead of minutes; decodes slower)",
     )
+    block_size: int = Field(
+        0,
+        ge=0,
+        description="vllm: tokens per KV-cache block, the prefix cache's unit (0: vLLM's own: 128 "
+        "on CPU, where it takes multiples of 32, and 16 on GPU); history tries verify what their "
+        "paths share in whole blocks once",
+    )
     static_decode: bool = Field(
         False,
         description="hf: plain decode forwards over a preallocated KV cache at bucketed batch "

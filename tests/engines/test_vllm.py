@@ -68,12 +68,14 @@ def suffix_engine(vllm_engine, tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def long_context_engine(vllm_engine, tmp_path_factory):
-    """An engine whose model takes 512 positions: prompts that fill prefix-cache blocks."""
+    """An engine whose model takes 512 positions, with prefix-cache blocks of 32 tokens (the
+    smallest vLLM's CPU backend takes): prompts that fill blocks, and tries whose short prompt
+    and shared nodes fill one."""
     path = tmp_path_factory.mktemp("vllm-long-model")
     model = tiny(3)
     model.config.max_position_embeddings = 512
     model.save_pretrained(path)
-    return VLLMEngine(path, [EOS], max_model_len=512)
+    return VLLMEngine(path, [EOS], max_model_len=512, block_size=32)
 
 
 def tiny(seed, init=1.0):
@@ -216,18 +218,26 @@ def test_trie_rollouts_on_vllm_are_distributed_as_the_policy_samples(vllm_engine
 
 
 @pytest.mark.parametrize("sampling", [SamplingParams(1.0), SamplingParams(0.8, top_k=5)])
-def test_a_tries_long_prompt_is_prefilled_once_and_its_logprobs_are_the_same(
-    long_context_engine, sampling
+@pytest.mark.parametrize(
+    ("prompt_length", "parents", "saved"),
+    [
+        (200, [0, 1, 2, 2, 0, 5, 1], 3 * 192),  # 4 paths; the prompt fills 6 blocks
+        (20, [0, *range(1, 16), 16, 17, 16, 19, 16, 21], 2 * 32),  # 16 shared nodes, 3 paths
+    ],
+)
+def test_a_tries_shared_blocks_are_prefilled_once_and_its_logprobs_are_the_same(
+    long_context_engine, sampling, prompt_length, parents, saved
 ):
-    """A trie whose prompt fills a block of vLLM's prefix cache (128 tokens on CPU) is verified
-    in waves (`tries_as_paths`): the paths after the first read the prompt's KV from the cache,
-    and every node gets the logprob that computing each path whole gives."""
+    """A trie whose paths share a block of vLLM's prefix cache (a long prompt, or a short one
+    and the nodes its responses share) is verified in waves (`tries_as_paths`): the paths after
+    the first read the shared blocks' KV from the cache, and every node gets the logprob that
+    computing each path whole gives."""
     from specrl.engines import TrieRequest
-    from specrl.engines.vllm.outputs import tries_as_paths
+    from specrl.engines.vllm.outputs import trie_paths, tries_as_paths
 
     engine = long_context_engine
-    prompt = [2 + (i * 7) % (VOCAB - 2) for i in range(200)]
-    parents, tokens = [0, 1, 2, 2, 0, 5, 1], [3, 4, 5, 6, 7, 8, 9]  # 4 paths
+    prompt = [2 + (i * 7) % (VOCAB - 2) for i in range(prompt_length)]
+    tokens = [2 + (i * 7) % (VOCAB - 2) for i in range(len(parents))]  # siblings differ
     request = TrieRequest(prompt, parents, tokens, sampling)
     before = engine.counts.prefill_positions
     whole = tries_as_paths([request], engine._verify)[0]
@@ -235,8 +245,8 @@ def test_a_tries_long_prompt_is_prefilled_once_and_its_logprobs_are_the_same(
     before = engine.counts.prefill_positions
     waved = engine.verify_tries([request])[0]
     waved_positions = engine.counts.prefill_positions - before
-    assert whole_positions == 4 * 200 + 3 + 3 + 2 + 2  # each path with its prompt
-    assert waved_positions < whole_positions - 2 * 128  # the prompt's block, twice at least
+    assert whole_positions == sum(prompt_length + len(p) for p in trie_paths(parents))
+    assert waved_positions == whole_positions - saved
     for a, b in (
         (whole.logprobs, waved.logprobs),
         (whole.low, waved.low),

@@ -75,3 +75,31 @@ def test_waves_compute_shared_prefixes_once_and_every_node_gets_its_logprob():
     # is where a cached block ends)
     assert whole.computed == 4 * (8 + 16 + 3) + 3 * (4 + 4 + 2 + 3)
     assert waved.computed == (8 + 4) + 9 + (8 + 2) + (16 + 4) + 9 + (16 + 2) + 4 * 3 + 13
+
+
+def test_a_short_prompts_trie_goes_in_waves_where_its_paths_share_a_block():
+    """A prompt shorter than a block, and three responses that share six tokens before they part:
+    prompt and shared tokens fill a block, which the second and third paths read from the cache."""
+    parents = [0, 1, 2, 3, 4, 5, 6, 7, 6, 9, 6, 11]
+    tokens = [3, 4, 5, 6, 7, 8, 2, 3, 4, 5, 6, 7]
+    request = TrieRequest([7, 8, 9, 10, 11], parents, tokens, SamplingParams(1.0))
+    whole, waved = PrefixCachedLogprobs(), PrefixCachedLogprobs()
+    expected = tries_as_paths([request], whole)[0]
+    got = tries_as_paths([request], waved, cache_block=BLOCK)[0]
+    assert not np.isnan(got.logprobs).any()
+    np.testing.assert_array_equal(expected.logprobs, got.logprobs)
+    assert whole.computed == 3 * (5 + 8)
+    assert waved.computed == (5 + 8) + 2 * (
+        5 + 8 - BLOCK
+    )  # the paths after the first: past the block
+
+
+def test_the_first_wave_takes_the_path_the_others_share_most_with():
+    """Waves start from the heaviest path: at each node, into the child with the most leaves
+    under it (here the second child of the root, under which two of the three leaves lie)."""
+    from specrl.engines.vllm.outputs import heaviest_path, trie_paths
+
+    parents = [0, 0, 2, 3, 3]
+    paths = trie_paths(parents)
+    assert paths == [[1], [2, 3, 4], [2, 3, 5]]
+    assert heaviest_path(parents, paths) == 1

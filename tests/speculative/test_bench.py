@@ -181,3 +181,12 @@ def test_interleaved_arms_train_as_they_do_one_after_another(tiny_policy_dir, tm
         assert all(m["actor/grad_norm"] > 0 for m in runs[0])  # it learns
         assert [[m[k] for k in keys] for m in runs[0]] == [[m[k] for k in keys] for m in runs[1]]
     assert turns["arms"]["trie"]["reused_token_ratio"] > 0
+
+
+def test_interleaving_refuses_an_engine_the_arms_would_share(tmp_path):
+    """vLLM's engine is one per process (`EngineKind.one_per_process`): arms taking turns in it
+    would roll out with each other's weights. The bench says so before it builds anything."""
+    cfg = load_config(None, ["rollout.name=vllm"])
+    with pytest.raises(UserError, match="--interleave: the arms would take turns in one vllm"):
+        run_bench(cfg, tmp_path / "bench", interleave=True, log=lambda _: None)
+    assert not (tmp_path / "bench").exists()

@@ -110,6 +110,7 @@ class VLLMEngine:
         draft_tokens: int = 0,
         draft_method: Literal["specrl", "suffix"] = "specrl",
         enforce_eager: bool = False,
+        block_size: int = 0,
     ) -> None:
         """`weight_transfer`: local (`load_weights` hands this process's tensors over) or nccl
         (a rollout worker on a GPU: the trainer broadcasts through vLLM's NCCL engine, driven
@@ -118,7 +119,8 @@ class VLLMEngine:
         tokens per request and step (`generate_with_drafts`); with `draft_method="suffix"`,
         vLLM's suffix decoding proposes up to that many in every `generate` instead.
         `enforce_eager`: no torch.compile (and no CUDA graphs): starts in seconds, decodes
-        slower."""
+        slower. `block_size`: tokens per KV-cache block, the prefix cache's unit (0: vLLM's own,
+        128 on CPU, 16 on GPU); history tries share prefixes in whole blocks (`verify_tries`)."""
         vllm = import_vllm()
         from specrl.engines.vllm.weights import BACKEND
 
@@ -130,6 +132,7 @@ class VLLMEngine:
         # prefill runs whole.
         whole_prefills = {"enable_chunked_prefill": False} if _on_cpu(vllm) else {}
         suffix = draft_tokens > 0 and draft_method == "suffix"
+        blocks = {"block_size": block_size} if block_size else {}
         self.llm = vllm.LLM(
             model=str(path),
             skip_tokenizer_init=True,
@@ -144,6 +147,7 @@ class VLLMEngine:
             enforce_eager=enforce_eager,
             weight_transfer_config={"backend": BACKEND if weight_transfer == "local" else "nccl"},
             **whole_prefills,
+            **blocks,
             **speculative_config(draft_tokens, draft_method),
         )
         if weight_transfer == "local":
@@ -336,8 +340,8 @@ class VLLMEngine:
     ) -> list[TrieLogprobs]:
         """vLLM has no tree attention: each trie is verified as its root-to-leaf paths, one
         prompt-logprobs request each, and every node's logprob after its parent is read off a
-        path through it; where a prompt fills a block of the prefix cache, in waves that compute
-        its prompt and shared nodes once (`tries_as_paths`). vLLM's sampler is its own, so the
+        path through it; where its paths share a block of the prefix cache, in waves that
+        compute its prompt and shared nodes once (`tries_as_paths`). vLLM's sampler is its own, so the
         trie logprobs are not coupled: the children of each node get intervals laid end to end
         (see `TrieLogprobs`), and a slot that leaves the trie decodes from the residual without
         the children."""

@@ -86,13 +86,15 @@ def tries_as_paths(
     spared a logprob), every node's logprob after its parent read off a path through it;
     uncoupled intervals (`sibling_intervals`).
 
-    A trie whose prompt fills a block of the prefix cache (`cache_block` tokens) is verified in
-    waves, so that its prompt and shared nodes are computed once: its first path whole, then its
+    A trie where some path shares a block of the prefix cache (`cache_block` tokens: its prompt
+    and the nodes it shares) with the trie's heaviest path (`heaviest_path`) is verified in
+    waves, so that what its paths share is computed once: the heaviest path whole, then its
     other paths reading the cache (vLLM computes each from the first block it has not cached;
     the first wave gave the logprobs of what it skips), then, whole, a path through each node
-    still without a logprob (one that leaves the first path just after a block boundary). The
-    other tries go in the first wave whole, as one call: nothing of theirs is cacheable."""
+    still without a logprob (one that leaves the heaviest path just after a block boundary).
+    The other tries go in the first wave whole, as one call: nothing of theirs is cacheable."""
     paths = [trie_paths(r.parents) for r in requests]
+    first = [heaviest_path(r.parents, trie) for r, trie in zip(requests, paths, strict=True)]
     found = [np.full(len(r.tokens) + 1, np.nan) for r in requests]
     for node_logprobs in found:
         node_logprobs[0] = 0.0  # the root: no token
@@ -108,14 +110,23 @@ def tries_as_paths(
                 if np.isnan(found[t][v]):
                     found[t][v] = logprob
 
-    in_waves = {
-        t for t, r in enumerate(requests)
-        if cache_block and len(r.prompt_ids) >= cache_block and len(paths[t]) > 1
-    }  # fmt: skip
-    wave([(t, trie[0]) for t, trie in enumerate(paths) if t in in_waves] + [
+    def shares_a_block(t: int) -> bool:
+        on_first = set(paths[t][first[t]])
+        prompt = len(requests[t].prompt_ids)
+        return any(
+            prompt + len(on_first.intersection(path)) >= cache_block
+            for i, path in enumerate(paths[t])
+            if i != first[t]
+        )
+
+    in_waves = {t for t in range(len(requests)) if cache_block and shares_a_block(t)}
+    wave([(t, trie[first[t]]) for t, trie in enumerate(paths) if t in in_waves] + [
         (t, path) for t, trie in enumerate(paths) if t not in in_waves for path in trie
     ], read_cache=False)  # fmt: skip
-    wave([(t, path) for t in sorted(in_waves) for path in paths[t][1:]], read_cache=True)
+    wave(
+        [(t, path) for t in sorted(in_waves) for i, path in enumerate(paths[t]) if i != first[t]],
+        read_cache=True,
+    )
     missing = []
     for t in sorted(in_waves):
         uncovered = {v for path in paths[t] for v in path if np.isnan(found[t][v])}
@@ -128,6 +139,15 @@ def tries_as_paths(
         sibling_intervals(node_logprobs, r.parents)
         for node_logprobs, r in zip(found, requests, strict=True)
     ]
+
+
+def heaviest_path(parents: Sequence[int], paths: list[list[int]]) -> int:
+    """Which of a trie's `paths` runs from the root through the child with the most leaves
+    under it at every node: the path the others share most with."""
+    leaves = np.zeros(len(parents) + 1, dtype=np.int64)
+    for path in paths:
+        leaves[path] += 1
+    return max(range(len(paths)), key=lambda i: leaves[paths[i]].tolist())
 
 
 def sampled_logprobs(token_ids: Sequence[int], logprobs: FlatLogprobs | None) -> list[float]:
