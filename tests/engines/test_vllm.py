@@ -217,6 +217,12 @@ def test_trie_rollouts_on_vllm_are_distributed_as_the_policy_samples(vllm_engine
     assert sample_pvalue(probs, [tuple(r.token_ids) for r in rollouts]) > 1e-3
 
 
+def test_on_the_cpu_the_prefix_cache_keeps_blocks_of_32_tokens(vllm_engine):
+    """vLLM's CPU default is 128; specrl's engine takes the backend's smallest, 32, so that
+    tries and a prompt's slots share shorter prefixes (`CPU_BLOCK_SIZE`)."""
+    assert vllm_engine.llm.llm_engine.vllm_config.cache_config.block_size == 32
+
+
 @pytest.mark.parametrize("sampling", [SamplingParams(1.0), SamplingParams(0.8, top_k=5)])
 @pytest.mark.parametrize(
     ("prompt_length", "parents", "saved"),

