@@ -19,11 +19,10 @@ import sys
 import time
 from pathlib import Path
 
-import reasoning_gym
+from number_sorting_prompts import smollm2_number_sorting
 
 from specrl.engines import GenRequest, SamplingParams
 from specrl.engines.vllm.engine import VLLMEngine
-from specrl.models import ensure_model, eos_token_ids, load_policy
 
 BLOCKS = (32, 128)
 
@@ -38,21 +37,11 @@ def main() -> None:
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
 
-    path = ensure_model("smollm2-135m-instruct", log=lambda _: None)
-    model, tokenizer = load_policy(path, "float32")
-    eos = eos_token_ids(model, tokenizer)
-    del model
+    path, eos, prompts = smollm2_number_sorting(args.prompts)
     engines = {
         block: VLLMEngine(path, eos, max_model_len=512, enforce_eager=True, block_size=block)
         for block in BLOCKS
     }
-    questions = reasoning_gym.create_dataset("number_sorting", size=args.prompts, seed=1)
-    prompts = [
-        tokenizer.apply_chat_template(
-            [{"role": "user", "content": q["question"]}], add_generation_prompt=True, tokenize=True
-        )["input_ids"]
-        for q in questions
-    ]
     requests = [
         GenRequest(p, args.tokens, SamplingParams(1.0), seed=1000 * i + s)
         for i, p in enumerate(prompts)

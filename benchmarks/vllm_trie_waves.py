@@ -23,12 +23,11 @@ import time
 from pathlib import Path
 
 import numpy as np
-import reasoning_gym
+from number_sorting_prompts import smollm2_number_sorting
 
 from specrl.engines import GenRequest, SamplingParams, TrieRequest
 from specrl.engines.vllm.engine import VLLMEngine
 from specrl.engines.vllm.outputs import trie_paths, tries_as_paths
-from specrl.models import ensure_model, eos_token_ids, load_policy
 from specrl.speculative.tree import PromptTree
 
 
@@ -41,19 +40,9 @@ def main() -> None:
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
 
-    path = ensure_model("smollm2-135m-instruct", log=lambda _: None)
-    model, tokenizer = load_policy(path, "float32")
-    eos = eos_token_ids(model, tokenizer)
-    del model
+    path, eos, prompts = smollm2_number_sorting(args.prompts)
     engine = VLLMEngine(path, eos, max_model_len=512, enforce_eager=True)
     block = engine.llm.llm_engine.vllm_config.cache_config.block_size
-    questions = reasoning_gym.create_dataset("number_sorting", size=args.prompts, seed=1)
-    prompts = [
-        tokenizer.apply_chat_template(
-            [{"role": "user", "content": q["question"]}], add_generation_prompt=True, tokenize=True
-        )["input_ids"]
-        for q in questions
-    ]
     sampling = SamplingParams(1.0)
     sampled = engine.generate(
         [GenRequest(p, 32, sampling, seed=1000 * i + s)

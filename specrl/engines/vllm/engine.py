@@ -349,10 +349,10 @@ class VLLMEngine:
         """vLLM has no tree attention: each trie is verified as its root-to-leaf paths, one
         prompt-logprobs request each, and every node's logprob after its parent is read off a
         path through it; where its paths share a block of the prefix cache, in waves that
-        compute its prompt and shared nodes once (`tries_as_paths`). vLLM's sampler is its own, so the
-        trie logprobs are not coupled: the children of each node get intervals laid end to end
-        (see `TrieLogprobs`), and a slot that leaves the trie decodes from the residual without
-        the children."""
+        compute its prompt and shared nodes once (`tries_as_paths`). vLLM's sampler is its own,
+        so the trie logprobs are not coupled: the children of each node get intervals laid end
+        to end (see `TrieLogprobs`), and a slot that leaves the trie decodes from the residual
+        without the children."""
         _no_prefixes(prefixes)
         block = self.llm.llm_engine.vllm_config.cache_config.block_size
         return tries_as_paths(requests, self._verify, block)
