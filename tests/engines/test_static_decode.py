@@ -1,7 +1,10 @@
 """Plain decoding at static shapes (static_decode.py) against the eager decode loop, on the CPU:
 the same tokens and finish reasons, logprobs equal to float rounding, every forward at a bucketed
-batch over one arena's columns. (On CUDA each bucket's forward is a CUDA graph: not run here.)"""
+batch over one arena's columns. On CUDA each bucket's forward is a CUDA graph, captured once and
+replayed: the tests marked gpu (`pytest -m gpu`, where a GPU is) compare that path to the eager
+loop on the same device."""
 
+import pytest
 import torch
 
 from specrl.config import SpecConfig
@@ -12,9 +15,17 @@ from specrl.speculative.stage import SpeculativeStage
 from specrl.types import Example, Prompt
 from tests.conftest import EOS, PAD, make_tiny_model
 
+CUDA = pytest.param(
+    "cuda",
+    marks=[
+        pytest.mark.gpu,
+        pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+    ],
+)
 
-def engines(init: float) -> tuple[HFEngine, HFEngine]:
-    model = make_tiny_model(init=init)
+
+def engines(init: float, device: str = "cpu") -> tuple[HFEngine, HFEngine]:
+    model = make_tiny_model(init=init).to(device)
     return HFEngine(model, [EOS], PAD), HFEngine(model, [EOS], PAD, static_decode=True)
 
 
@@ -33,14 +44,33 @@ def assert_same(eager, static) -> None:
         assert torch.allclose(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-5)
 
 
-def test_static_decoding_samples_the_eager_loops_tokens():
-    eager, static = engines(init=0.3)
+@pytest.mark.parametrize("device", ["cpu", CUDA])
+def test_static_decoding_samples_the_eager_loops_tokens(device):
+    eager, static = engines(init=0.3, device=device)
     stopped = []
     for sampling in (SamplingParams(1.0), SamplingParams(0.7, top_p=0.9), SamplingParams(0.0)):
         got = static.generate(requests(13, sampling))
         assert_same(eager.generate(requests(13, sampling)), got)
         stopped += [len(r.token_ids) for r in got if r.finish_reason == "stop"]
     assert any(n > 1 for n in stopped)  # rows left at the eos token, not only at their budgets
+    graphs = static.static.arena.graphs
+    assert (len(graphs) > 1) == (device == "cuda")  # a graph per bucket, on CUDA alone
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_a_buckets_graph_is_captured_once_and_replayed_in_later_calls():
+    _, static = engines(init=2.0, device="cuda")
+    static.generate(requests(13, SamplingParams(1.0)))
+    arena = static.static.arena
+    captured = {rows: graph for rows, (graph, _) in arena.graphs.items()}
+    assert set(captured) <= {1, 2, 4, 8, 16} and 16 in captured
+    first = static.generate(requests(13, SamplingParams(1.0)))
+    assert static.static.arena is arena
+    assert {rows: graph for rows, (graph, _) in arena.graphs.items()} == captured
+    assert [r.token_ids for r in first] == [
+        r.token_ids for r in static.generate(requests(13, SamplingParams(1.0)))
+    ]
 
 
 def test_every_forward_is_at_a_bucketed_batch_over_one_arena_that_grows_when_needed():
@@ -71,7 +101,8 @@ def test_every_forward_is_at_a_bucketed_batch_over_one_arena_that_grows_when_nee
     assert [bucket(n) for n in (1, 2, 3, 5, 16, 17)] == [1, 2, 4, 8, 16, 32]
 
 
-def test_a_speculative_step_over_static_decoding_is_the_eager_steps():
+@pytest.mark.parametrize("device", ["cpu", CUDA])
+def test_a_speculative_step_over_static_decoding_is_the_eager_steps(device):
     """History tries walked, the rest decoded from the walks' prefixes (KV handed over from the
     trie pass, first draws excluding the children left): the same rollouts either way."""
     prompts = [Prompt((2, 3, 4 + i % 7, 5 + i % 3), Example(f"p{i}", "", "t")) for i in range(6)]
@@ -79,7 +110,7 @@ def test_a_speculative_step_over_static_decoding_is_the_eager_steps():
         SpeculativeStage(  # every node verified: the budget decides from timings
             engine, SamplingParams(1.0), 12, SpecConfig(reuse="trie", verify_budget=False)
         )
-        for engine in engines(init=0.5)
+        for engine in engines(init=0.5, device=device)
     ]
     for step in range(3):
         (eager, eager_stats), (static, _) = (s(prompts, 4, (1, step, 0), step) for s in stages)
