@@ -56,7 +56,8 @@ class SpeculativeStage:
                 "rollout.spec.tree.enabled=true needs an engine that decodes with drafts (hf, or "
                 "a vllm engine built with draft_tokens); use tree.enabled=auto"
             )
-        if cfg.tree.method == "suffix" and cfg.uses_tree() and not capabilities.own_drafts:
+        uses_tree = cfg.uses_tree(capabilities.graph_decoding)
+        if cfg.tree.method == "suffix" and uses_tree and not capabilities.own_drafts:
             raise UserError(
                 "rollout.spec.tree.method=suffix needs an engine that drafts with vLLM's suffix "
                 "decoding (a vllm engine built with draft_method=suffix)"
@@ -66,9 +67,7 @@ class SpeculativeStage:
         self.max_response_length = max_response_length
         self.cfg = cfg
         self.rule = acceptance_rule(cfg)
-        self.tree_drafts = (
-            cfg.uses_tree() and capabilities.draft_decoding and cfg.tree.method == "specrl"
-        )
+        self.tree_drafts = uses_tree and capabilities.draft_decoding and cfg.tree.method == "specrl"
         # a prompt's trie of its last `window` rollouts: what slots walk, and drafts come from
         wants_tree = self.tree_drafts or cfg.walks_tries(capabilities.trie_verification)
         self.prompts = PromptState(

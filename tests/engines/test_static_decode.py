@@ -7,7 +7,7 @@ loop on the same device."""
 import pytest
 import torch
 
-from specrl.config import SpecConfig
+from specrl.config import SpecConfig, TreeConfig
 from specrl.engines import GenRequest, SamplingParams
 from specrl.engines.hf import HFEngine
 from specrl.engines.hf.static_decode import COLUMN_BUCKET, bucket
@@ -103,15 +103,19 @@ def test_every_forward_is_at_a_bucketed_batch_over_one_arena_that_grows_when_nee
 
 @pytest.mark.parametrize("device", ["cpu", CUDA])
 def test_a_speculative_step_over_static_decoding_is_the_eager_steps(device):
-    """History tries walked, the rest decoded from the walks' prefixes (KV handed over from the
-    trie pass, first draws excluding the children left): the same rollouts either way."""
+    """History tries walked, the rest decoded plainly from the walks' prefixes (KV handed over
+    from the trie pass, first draws excluding the children left): the same rollouts either way,
+    the static engine's tails decoded in its arena."""
     prompts = [Prompt((2, 3, 4 + i % 7, 5 + i % 3), Example(f"p{i}", "", "t")) for i in range(6)]
+    # every node verified (the budget decides from timings); no drafts, which decode eagerly
+    cfg = SpecConfig(reuse="trie", verify_budget=False, tree=TreeConfig(enabled=False))
     stages = [
-        SpeculativeStage(  # every node verified: the budget decides from timings
-            engine, SamplingParams(1.0), 12, SpecConfig(reuse="trie", verify_budget=False)
-        )
+        SpeculativeStage(engine, SamplingParams(1.0), 12, cfg)
         for engine in engines(init=0.5, device=device)
     ]
+    static_engine = stages[1].engine.static
+    adopt, adopted = static_engine.adopt, []
+    static_engine.adopt = lambda *args: adopted.append(step) or adopt(*args)
     for step in range(3):
         (eager, eager_stats), (static, _) = (s(prompts, 4, (1, step, 0), step) for s in stages)
         for a, b in zip(eager, static, strict=True):
@@ -120,3 +124,18 @@ def test_a_speculative_step_over_static_decoding_is_the_eager_steps(device):
                 torch.tensor(a.current_logprobs), torch.tensor(b.current_logprobs), atol=1e-5
             )
     assert eager_stats.reused_tokens > 0
+    assert 2 in adopted  # a reuse step's tails decoded in the arena
+
+
+@pytest.mark.parametrize("device", ["cpu", CUDA])
+def test_drafts_are_left_to_eager_engines_unless_asked_for(device):
+    """tree.enabled=auto drafts in the tails of speculative rollouts, except where plain decode
+    forwards are CUDA graphs (a forward with drafts would run eagerly); true drafts anyway."""
+    eager, static = engines(init=0.5, device=device)
+    graphs = device == "cuda"
+    assert [e.capabilities.graph_decoding for e in (eager, static)] == [False, graphs]
+    for engine, drafts in ((eager, True), (static, not graphs)):
+        auto = SpeculativeStage(engine, SamplingParams(1.0), 12, SpecConfig(reuse="trie"))
+        assert auto.tree_drafts == drafts
+        asked = SpecConfig(reuse="trie", tree=TreeConfig(enabled=True))
+        assert SpeculativeStage(engine, SamplingParams(1.0), 12, asked).tree_drafts

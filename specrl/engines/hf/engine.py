@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -40,7 +41,7 @@ class HFEngine:
     """Rollout engine over a transformers model. When it wraps the trainer's own model object the
     weights are shared, so there is nothing to sync after an update."""
 
-    capabilities = Capabilities(
+    eager_capabilities = Capabilities(
         draft_decoding=True, residual_sampling=True, prefix_reuse=True, trie_verification=True
     )
     logits_budget = 2**26  # most logits one trie pass computes (256 MB in float32)
@@ -78,6 +79,12 @@ class HFEngine:
     @property
     def device(self) -> torch.device:
         return next(self.model.parameters()).device
+
+    @property
+    def capabilities(self) -> Capabilities:
+        """With static decoding on CUDA, plain decode forwards are graph replays."""
+        graphs = self.static is not None and self.device.type == "cuda"
+        return replace(self.eager_capabilities, graph_decoding=graphs)
 
     def new_prefixes(self) -> PrefixCache:
         return PrefixCache()
