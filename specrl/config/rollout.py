@@ -179,7 +179,9 @@ class RolloutConfig(Section):
     static_decode: bool = Field(
         False,
         description="hf: plain decode forwards over a preallocated KV cache at bucketed batch "
-        "sizes, on CUDA replayed as CUDA graphs (the same tokens; not yet run on a GPU)",
+        "sizes, on CUDA replayed as CUDA graphs (the same tokens; 5x faster plain forwards on an "
+        "H200, but speculative rollouts there were slower than vanilla's: "
+        "benchmarks/gpu-h200-hf-static-decode)",
     )
     spec: SpecConfig = Field(default_factory=SpecConfig)
     multi_turn: MultiTurnConfig = Field(default_factory=MultiTurnConfig)

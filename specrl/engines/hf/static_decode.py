@@ -21,8 +21,9 @@ forward's width every step: those calls keep the eager loop.
 
 The tokens are the eager loop's: the same uniforms and logits over the same attended columns,
 the masked ones adding exact zeros (float sums over a wider row may round differently in the last
-bits). tests/engines/test_static_decode.py compares the two paths on the CPU; the graph path has
-not run on a GPU yet.
+bits). tests/engines/test_static_decode.py compares the two paths on the CPU, and the graph path
+with the eager loop on a GPU (marker gpu). On an H200 a plain decode forward of the 25M toy
+policy took 1.4-1.9 ms as a graph, 8.3-8.7 ms eager (benchmarks/gpu-h200-hf-static-decode).
 """
 
 from __future__ import annotations
