@@ -31,7 +31,9 @@ for rep in range(3):
         m = engine.counts.metrics()
         f = m["perf/decode/forwards"] - m0.get("perf/decode/forwards", 0)
         s = m["timing_s/forward/decode"] - m0.get("timing_s/forward/decode", 0)
+        seconds = time.perf_counter() - t
         print(
-            f"rep {rep} tree drafts {tree}: {1000 * s / f:.1f} ms per decode forward ({f:.0f}), step {time.perf_counter() - t:.1f} s",
+            f"rep {rep} tree drafts {tree}: {1000 * s / f:.1f} ms per decode forward ({f:.0f}),"
+            f" step {seconds:.1f} s",
             flush=True,
         )

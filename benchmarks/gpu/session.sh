@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# One lent GPU's checks of the static-shape decode path, in one call of the device tool (about 8
-# minutes on an H100): the tests marked gpu (CUDA graphs against the eager loop), then
+# One lent GPU's checks of the static-shape decode path, in one call of the device tool (8
+# minutes on an H200): the tests marked gpu (CUDA graphs against the eager loop), then
 # benchmarks/gpu/run.sh on the default 25M policy with rollout.static_decode (CUDA graphs) and
 # without it (eager), and on the 268M policy with it. Each part has its own time limit, so one
 # that fails or runs long leaves the others; what comes back is OUT's logs and one tarball of the

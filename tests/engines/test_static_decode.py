@@ -57,10 +57,9 @@ def test_static_decoding_samples_the_eager_loops_tokens(device):
     assert (len(graphs) > 1) == (device == "cuda")  # a graph per bucket, on CUDA alone
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-def test_a_buckets_graph_is_captured_once_and_replayed_in_later_calls():
-    _, static = engines(init=2.0, device="cuda")
+@pytest.mark.parametrize("device", [CUDA])
+def test_a_buckets_graph_is_captured_once_and_replayed_in_later_calls(device):
+    _, static = engines(init=2.0, device=device)
     static.generate(requests(13, SamplingParams(1.0)))
     arena = static.static.arena
     captured = {rows: graph for rows, (graph, _) in arena.graphs.items()}
