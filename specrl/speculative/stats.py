@@ -52,6 +52,7 @@ class RolloutStats:
     trie_prompts_skipped: int = 0  # prompts with a history where no node paid its verification
     trie_nodes_stored: int = 0  # nodes of the tries of prompts with walkers (verified or not)
     trie_expected_tokens: float = 0.0  # reused tokens the budget expected of the nodes verified
+    trie_reachable_tokens: int = 0  # tokens a walk of the whole tries would have reused
     drafts_skipped: int = 0  # stored drafts not verified at all: no token of them paid (slot)
     slowest_forwards: int = 0  # Σ over calls of the most decode forwards one slot took
     verify_s: float = 0.0
@@ -79,6 +80,8 @@ class RolloutStats:
     trie_token_cost_s: float = field(default=0.0, metadata=GAUGE)
     trie_row_cost_s: float = field(default=0.0, metadata=GAUGE)
     trie_drift: float = field(default=0.0, metadata=GAUGE)
+    # the share of the decode loop's forwards reuse removes per share of the tokens it reuses
+    trie_loop_factor: float = field(default=0.0, metadata=GAUGE)
     # per-slot drafts: the most draft tokens the budget verified (-1: all), the accept rate α
     draft_verify_limit: int = field(default=-1, metadata=GAUGE)
     draft_accept_rate: float = field(default=0.0, metadata=GAUGE)
@@ -287,10 +290,12 @@ METRIC_NAMES = {
     "trie_prompts_skipped": "spec/trie/prompts_skipped",
     "trie_nodes_stored": "spec/trie/nodes_stored",
     "trie_expected_tokens": "spec/trie/expected_tokens",
+    "trie_reachable_tokens": "spec/trie/reachable_tokens",
     "trie_node_cost_s": "timing_s/trie_node_cost",
     "trie_token_cost_s": "timing_s/trie_token_cost",
     "trie_row_cost_s": "timing_s/trie_row_cost",
     "trie_drift": "spec/trie/drift",
+    "trie_loop_factor": "spec/trie/loop_factor",
     "drafts_skipped": "spec/slot/drafts_skipped",
     "draft_verify_limit": "spec/slot/verify_limit",
     "draft_accept_rate": "spec/slot/accept_rate",

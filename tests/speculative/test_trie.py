@@ -14,6 +14,7 @@ from specrl.engines.hf import HFEngine
 from specrl.rollouts import sample_rollouts
 from specrl.speculative.drafting import DraftWidth
 from specrl.speculative.reuse.budget import TrieBudget
+from specrl.speculative.reuse.trie import reachable
 from specrl.speculative.stage import SpeculativeStage
 from specrl.speculative.tree import PromptTree
 from specrl.types import Example, Prompt
@@ -140,7 +141,7 @@ def test_the_budget_verifies_the_nodes_enough_walkers_are_expected_to_reach():
     budget.observe_walks(1.0, 4.0)  # one move taken of four predicted: ρ = (1 + 0.9) / (4 + 1)
     assert budget.drift == pytest.approx(0.38)
     assert budget.select(tree, 4).nodes == path[:1]  # 4 · 0.38 · 4/5 > 1 > 4 · 0.38² · 3/5
-    for _ in range(60):  # nothing verified for a while: the evidence decays, ρ returns to 0.9
+    for _ in range(60):  # no history walked for a while: the evidence decays, ρ returns to 0.9
         budget.observe_walks(0.0, 0.0)
     assert budget.drift == pytest.approx(0.9, abs=1e-3) and budget.select(tree, 4).nodes == path
     assert TrieBudget(enabled=False).select(tree, 1).nodes == list(range(1, tree.nodes + 1))
@@ -184,6 +185,44 @@ def test_a_reused_token_saves_a_row_and_the_share_of_forwards_reuse_removes():
     assert TrieBudget().token_cost(0.0) is None
 
 
+def test_where_a_response_lands_in_its_trie_as_the_step_found_it():
+    """A walk of the whole trie in hindsight: the response's leading tokens on a path of the
+    nodes that existed (ids below len(count)), and the moves the counts then predicted."""
+    tree = trie_of([*RESPONSES, [3]])  # [3] stopped at its length: 1 of [3]'s 5 went no further
+    count = np.asarray(tree.count)
+    assert reachable(tree, count, [3, 4, 5, EOS]) == (4, 1.0 + 4 / 5 + 1.0 + 1.0)
+    assert reachable(tree, count, [3, 8, 1]) == (2, 1.0 + 4 / 5)  # [3, 8] has no children
+    assert reachable(tree, count, [7, 3]) == (0, 1.0)
+    tree.insert([3, 4, 5, 7, 7])  # a response of this step (online trees): not in the history
+    assert reachable(tree, count, [3, 4, 5, 7, 7]) == (3, 1.0 + 4 / 5 + 1.0 + 1.0)
+
+
+def test_a_reused_token_is_priced_by_the_decode_forwards_its_reuse_removes():
+    """f = ((F − F') / F) / (H / T) over a call's slots, had every node been verified: reuse
+    that leaves one slot's whole response to decode removes no forward of the loop."""
+    width = DraftWidth(4)
+    for rows in range(2, 34, 4):
+        width.observe_forward(rows, rows, 0.1 + 0.01 * rows)  # c0 = 0.1 s, cs = 0.01 s
+    budget = TrieBudget(width=width)
+    budget.observe_verify(0.03, 1)
+    budget.observe_decode(5.0, 100)  # a = 0.05 s per token
+    assert budget.loop_factor is None  # no evidence: f is the expected reuse r
+    tree = trie_of([[3, 4, 5, 6]] * 4)
+    assert len(budget.select(tree, 4).nodes) == 4  # f = r ≈ 0.77: 4 · 0.9^4 · 0.041 > 0.03
+    budget.observe_loop([10, 10, 10, 10], [9, 9, 9, 0])  # one slot decodes all 10: F' = F
+    assert budget.loop_factor == 0.0
+    assert budget.select(tree, 4).nodes == [1, 2]  # a row: 4 · 0.9² · 0.01 > 0.03 > 4 · 0.9³ · 0.01
+    budget = TrieBudget(width=width)
+    budget.observe_loop([10, 8, 6, 4], [8, 8, 6, 0])  # F = 10, F' = 4: 0.6 of it, at 22/28
+    assert budget.loop_factor == pytest.approx(0.6 / (22 / 28))
+    budget = TrieBudget()
+    budget.observe_loop([10, 10], [10, 10])  # everything reused: the loop is gone
+    assert budget.loop_factor == 1.0
+    budget = TrieBudget()
+    budget.observe_loop([10, 2], [8, 0])  # reuse on the slowest slot: 0.8 at 8/12, at most 1
+    assert budget.loop_factor == 1.0
+
+
 @pytest.mark.parametrize("token_cost", [0.4, 1e-6], ids=["pruned", "nothing-pays"])
 def test_a_pruned_trie_keeps_the_rollouts_vanilla_token_for_token(toy_run, token_cost):
     """Where the budget verifies part of a trie (or none of it: then no trie pass runs at all),
@@ -192,7 +231,7 @@ def test_a_pruned_trie_keeps_the_rollouts_vanilla_token_for_token(toy_run, token
     engine = HFEngine(model, eos, PAD)
     stage = trie_stage(engine, RUN_SAMPLINGS["t1"], 72)
     stage.reuse.budget = TriePrices(node_cost=1.0, token_cost=token_cost)
-    tokens = agree = reused = scored = stored = skipped = verify_forwards = 0
+    tokens = agree = reused = scored = stored = skipped = verify_forwards = reachable = 0
     for step, state in enumerate(weights, start=1):
         engine.load_weights(state)
         key = (1, step, 0)
@@ -205,7 +244,9 @@ def test_a_pruned_trie_keeps_the_rollouts_vanilla_token_for_token(toy_run, token
             agree += sum(x == y for x, y in zip(a.token_ids, b.token_ids, strict=False))
         reused, scored = reused + stats.reused_tokens, scored + stats.trie_nodes
         stored, skipped = stored + stats.trie_nodes_stored, skipped + stats.trie_prompts_skipped
+        reachable += stats.trie_reachable_tokens
     assert agree >= 0.999 * tokens, (agree, tokens)
+    assert reachable > reused  # the budget's evidence covers the nodes it did not verify
     if token_cost < 1e-3:
         assert (reused, scored, verify_forwards) == (0, 0, 0)
         assert skipped == 3 * len(prompts)  # every prompt of the three rounds with a history

@@ -8,8 +8,11 @@ Verifying node v costs one position of a trie pass (c_node seconds); it saves on
 the trie already holds an estimate of where it goes: the responses of earlier rollouts, sampled by
 earlier policies. A walker at node u moves to child c with probability ≈ ρ · count[c] / count[u]
 (the share of u's earlier responses that went on to c), where ρ ≤ 1, the drift, is fitted online
-from the walks themselves (how often a walker that stood at a node with verified children moved
-to one of them, against what the counts predicted). Down a path the factors telescope:
+from where each call's responses landed in their tries as the call found them (how often a
+response that stood at a node with children went on to one of them, against what the counts
+predicted). A response is what its walk and decoding drew, so this is a walk of the whole trie
+in hindsight: the evidence covers every node, verified or not, and comes every call, also when
+nothing was verified. Down a path the factors telescope:
 
     E[walkers reaching v] = W · ρ^depth(v) · count[v] / count[root]        (W: the prompt's walkers)
 
@@ -22,22 +25,26 @@ Both costs are measured on the engine's own calls, as wall seconds: c_node is a 
 seconds per position it computed (prompt and nodes: a pass prefills its prompts, which decoding
 then reuses). c_token is what a reused token saves decoding: one row of forwards that run anyway
 (cs, `DraftWidth`'s per-sequence cost, fitted to every decode forward of the engine as
-c0 + cs · rows + cd · drafts), plus a share of the forwards' fixed cost: where little is reused
-the batch's decode loop, which its slowest slot bounds, is as long as without reuse; where most
-is, it shortens about as much as the tokens do. So c_token = cs + (a − cs) · r, a being
-decoding's average seconds per token and r the share of the prompt's tokens its walks are
-expected to reuse, were every node verified (Σ ρ^depth · count over Σ count). Until cs is fitted
-(no forwards with drafts yet, or too little spread in their batch sizes) c_token is a, which
-overstates the saving where little is reused. Until a verification pass has been timed, c_node
+c0 + cs · rows + cd · drafts), plus a share of the forwards' fixed cost. The decode loop runs
+until its slowest slot is done, so a reused token removes a forward only where it shortens the
+longest tail: c_token = cs + (a − cs) · f, a being decoding's average seconds per token (cs plus
+c0 spread over the tokens) and f the share of the loop's forwards reuse removes per share of the
+tokens it reuses. f is measured in hindsight on every call, over all its slots: F the longest
+response, F' the longest that would have been left to decode after walks of the whole tries, H of
+the T response tokens reusable: f = ((F − F') / F) / (H / T), decayed, at most 1. Early in RL a
+few slots reuse a little and F' = F: f ≈ 0 and a node pays only the rows it saves; on a CPU
+running a real model, or on a GPU decoding as graphs, a forward costs about the same at any
+batch size (cs ≈ 0), so there nothing is verified until reuse shortens the loop. Before any
+evidence, f is r, the share of the prompt's tokens its walks are expected to reuse were every
+node verified (Σ ρ^depth · count over Σ count). Until cs is fitted (too little spread in the
+forwards' batch sizes) c_token is a. Until a verification pass has been timed, c_node
 is the engine's prefill seconds per position (a pass computes its positions as a prefill does;
 decoding's prefills are timed from the first call on). All evidence decays by `decay` per call.
 ρ has a prior of one predicted move, 0.9 of it taken: before any walk, the policy is taken to
 have moved from its history, so the first pass verifies the nodes within a few tokens of the
-roots and those many responses share, and the walks' evidence decides how deep later passes go
-(on a real model early in RL a first pass of every node cost half a step's decoding; on the
-shipped task the first pass, at 0.9, still reuses about half of what the next ones do). Where
-nothing was verified lately the prior pulls ρ back to 0.9: a run that stopped verifying (early
-RL, the policy far from its history) tries again later, on the nodes near the roots. Until both
+roots and those many responses share, and the evidence decides how deep later passes go (on a
+real model early in RL a first pass of every node cost half a step's decoding; on the shipped
+task the first pass, at 0.9, still reuses about half of what the next ones do). Until both
 costs have been measured (on an engine that does not time its prefills, until its first pass)
 every node is verified. The budget is not checkpointed: a resumed run measures its machine again.
 
@@ -56,6 +63,7 @@ residual): under the exact rule the rollouts stay distributed as the policy's sa
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -141,13 +149,25 @@ class TrieBudget(VerifyCosts):
         self, enabled: bool = True, width: DraftWidth | None = None, decay: float = 0.8
     ) -> None:
         super().__init__(enabled, width, decay)
-        self._moves = np.zeros(2)  # decayed [moves taken, moves predicted] of walks
+        self._moves = np.zeros(2)  # decayed [moves taken, moves predicted] of whole-trie walks
+        # decayed [forwards removed, forwards, tokens reused, tokens] of the calls' decode
+        # loops, had every node been verified
+        self._loop = np.zeros(4)
 
     @property
     def drift(self) -> float:
         """ρ: the walks' moves taken per move the trie's counts predicted (at most 1), from a
         prior of one predicted move, 0.9 of it taken."""
         return min(1.0, (self._moves[0] + 0.9) / (self._moves[1] + 1.0))
+
+    @property
+    def loop_factor(self) -> float | None:
+        """The share of the decode loop's forwards reuse removes per share of the tokens it
+        reuses, at most 1 (None: nothing was reusable lately)."""
+        removed, forwards, reused, tokens = self._loop
+        if reused <= 0 or forwards <= 0:
+            return None
+        return min(1.0, (removed / forwards) / (reused / tokens))
 
     def select(self, tree: PromptTree, walkers: int) -> Selection:
         """The nodes of `tree` worth verifying for `walkers` slots (all of them while the costs
@@ -165,7 +185,9 @@ class TrieBudget(VerifyCosts):
             if len(count) > 1
             else 0.0
         )
-        node_cost, token_cost = self.node_cost, self.token_cost(reuse)
+        factor = self.loop_factor
+        node_cost = self.node_cost
+        token_cost = self.token_cost(reuse if factor is None else factor)
         if not self.enabled or node_cost is None or token_cost is None:
             nodes = np.arange(1, len(count))
         else:
@@ -174,6 +196,16 @@ class TrieBudget(VerifyCosts):
 
     def observe_walks(self, moves: float, predicted: float) -> None:
         self._moves = self.decay * self._moves + (moves, predicted)
+
+    def observe_loop(self, lengths: Sequence[int], reusable: Sequence[int]) -> None:
+        """One call's slots (all of them: they share the decode loop): each response's length,
+        and how many of its leading tokens its trie held."""
+        if not lengths:
+            return
+        longest = max(lengths)
+        tail = max(n - h for n, h in zip(lengths, reusable, strict=True))
+        seen = (longest - tail, longest, sum(reusable), sum(lengths))
+        self._loop = self.decay * self._loop + seen
 
 
 class DraftBudget(VerifyCosts):

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -46,6 +45,7 @@ class TrieReuse(Reuse):
         self.tree = tree
         self.sampling = sampling
         self.budget = budget
+        self._counts: dict[str, np.ndarray] = {}  # the counts of this call's tries, by prompt id
 
     def before_decoding(
         self, slots: list[Slot], seed_key: tuple, prefixes: Prefixes | None, stats: RolloutStats
@@ -61,6 +61,12 @@ class TrieReuse(Reuse):
             and (tree := self.tree.get(s.prompt.prompt_id)) is not None
             and tree.nodes
         ]
+        # each walker's trie as it stands now: where its response lands in it tells, after
+        # decoding, what a walk of the whole trie would have reused (`reachable`)
+        self._counts = {
+            slots[i].prompt.prompt_id: np.asarray(self.tree.get(slots[i].prompt.prompt_id).count)
+            for i in walkers
+        }
         if not walkers:
             return
         groups: dict[tuple, list[int]] = {}  # (prompt id, context) → its walkers (rows below)
@@ -76,7 +82,6 @@ class TrieReuse(Reuse):
             else:
                 stats.trie_prompts_skipped += 1
         if not tries:
-            self.budget.observe_walks(0.0, 0.0)
             stats.verify_s += time.perf_counter() - started
             return
         requests = [_request(ids, tree, sel.nodes, self.sampling) for ids, tree, sel, _ in tries]
@@ -94,28 +99,44 @@ class TrieReuse(Reuse):
         positions = first + torch.arange(max(slots[i].budget for i in walkers))[None, :]
         uniforms = seeded_uniform(seeds.expand_as(positions), positions).numpy()  # [S, R]
         eos = self.engine.eos_token_ids
-        moves = predicted = 0.0
         for (_, tree, selection, rows), trie in zip(tries, verified, strict=True):
             walking = [slots[walkers[row]] for row in rows]
             budgets = [s.budget for s in walking]
             walks = walk_trie(tree, selection.nodes, trie, uniforms[rows], budgets, eos)
-            for s, walked in zip(walking, walks.reused, strict=True):
+            for s, walked in zip(walking, walks, strict=True):
                 s.reused = walked
-            moves, predicted = moves + walks.moves, predicted + walks.predicted_moves
-        self.budget.observe_walks(moves, predicted)
         stats.verify_s += time.perf_counter() - started
 
     def after_decoding(
         self, slots: list[Slot], results: dict[int, GenResult], stats: RolloutStats
     ) -> None:
         """What decoding cost per token: the budget's price of a token not reused; what its
-        prefills cost per position: the price of a node before any pass is timed."""
+        prefills cost per position: the price of a node before any pass is timed. Where each
+        response lands in its trie as the call found it: the budget's evidence on the walks
+        (ρ) and on how much of the decode loop reuse removes, whatever it verified."""
         self.budget.observe_decode(stats.gen_s, sum(len(r.token_ids) for r in results.values()))
         self.budget.observe_prefill(self.engine.counts)
+        if self._counts:
+            lengths, reusable, predicted = [], [], 0.0
+            for i, s in enumerate(slots):
+                response = [*s.kept, *(results[i].token_ids if i in results else ())]
+                count = self._counts.get(s.prompt.prompt_id) if s.may_reuse else None
+                reached, moves = (
+                    (0, 0.0)
+                    if count is None
+                    else reachable(self.tree.get(s.prompt.prompt_id), count, response)
+                )
+                lengths.append(len(response))
+                reusable.append(reached)
+                predicted += moves
+            self.budget.observe_walks(sum(reusable), predicted)
+            self.budget.observe_loop(lengths, reusable)
+            stats.trie_reachable_tokens += sum(reusable)
         stats.trie_node_cost_s = self.budget.node_cost or 0.0
         stats.trie_token_cost_s = self.budget.average_token_cost or 0.0
         stats.trie_row_cost_s = self.budget.row_cost or 0.0
         stats.trie_drift = self.budget.drift
+        stats.trie_loop_factor = self.budget.loop_factor or 0.0
 
 
 def _request(
@@ -128,17 +149,6 @@ def _request(
     return TrieRequest(prompt_ids, parents, [tree.token[v] for v in nodes], sampling)
 
 
-@dataclass
-class Walks:
-    """The walks of a prompt's slots, and the evidence on the budget's drift they give: moves
-    taken, and moves predicted (Σ over the nodes where a walk stood before verified children of
-    the share of the node's earlier responses that went on to one of them)."""
-
-    reused: list[Reused]
-    moves: int
-    predicted_moves: float
-
-
 def walk_trie(
     tree: PromptTree,
     nodes: Sequence[int],
@@ -146,7 +156,7 @@ def walk_trie(
     uniforms: np.ndarray,
     budgets: Sequence[int],
     eos_token_ids: frozenset[int],
-) -> Walks:
+) -> list[Reused]:
     """The walks of a prompt's slots down its trie, verified at `nodes` (tree ids: `trie`'s
     node i is nodes[i - 1]), one per row of `uniforms` [S, most budget] (a slot's uniforms at its
     response positions; `budgets`: its most tokens). At response position t a slot takes the
@@ -157,32 +167,24 @@ def walk_trie(
     # Python floats: a walk indexes them token by token (the same float64 arithmetic)
     low, high, total = trie.low.tolist(), trie.high.tolist(), trie.total.tolist()
     current = trie.logprobs.tolist()
-    # per row of `trie` (0: the root): its verified children as (token, row), and the share of
-    # its earlier responses that went on to one of them (the drift's prediction of a move)
-    count = tree.count
-    kids: list[list[tuple[int, int]]] = [[] for _ in range(len(nodes) + 1)]
+    kids: list[list[tuple[int, int]]] = [[] for _ in range(len(nodes) + 1)]  # (token, row)
     row_of = {ROOT: 0}
     for row, v in enumerate(nodes, start=1):
         row_of[v] = row
         kids[row_of[tree.parent[v]]].append((tree.token[v], row))
-    owner = [ROOT, *nodes]
-    share = [sum(count[owner[c]] for _, c in k) / count[owner[r]] for r, k in enumerate(kids)]
-    walks, moves, predicted = [], 0, 0.0
+    walks = []
     for slot_uniforms, budget in zip(uniforms.tolist(), budgets, strict=True):
         at, tokens, logprobs = 0, [], []
         finish: FinishReason | None = "length"
         excluded: tuple[int, ...] = ()
         while len(tokens) < budget:
             children = kids[at]
-            if children:
-                predicted += share[at]
             target = slot_uniforms[len(tokens)] * total[at]
             step = next(((t, c) for t, c in children if low[c] < target <= high[c]), None)
             if step is None:
                 finish = None
                 excluded = () if trie.coupled else tuple(t for t, _ in children)
                 break
-            moves += 1
             token, at = step
             tokens.append(token)
             logprobs.append(current[at])
@@ -190,4 +192,24 @@ def walk_trie(
                 finish = "stop"
                 break
         walks.append(Reused(tokens, logprobs, finish, excluded))
-    return Walks(walks, moves, predicted)
+    return walks
+
+
+def reachable(tree: PromptTree, count: np.ndarray, response: Sequence[int]) -> tuple[int, float]:
+    """How many leading tokens of `response` are a path of the trie as it stood when the step
+    began (its first len(count) nodes, with those counts), and the moves the counts predicted
+    along it (Σ over the nodes passed that had children of the share of their earlier responses
+    that went on to one). With every node verified a walk reuses exactly those tokens: the
+    response is what the walk and decoding drew, so this is a walk of the whole trie in
+    hindsight, whatever the budget verified."""
+    node, predicted = ROOT, 0.0
+    for depth, token in enumerate(response):
+        children = [c for c in tree.children[node].values() if c < len(count)]
+        if not children:
+            return depth, predicted
+        predicted += count[children].sum() / count[node]
+        child = tree.children[node].get(token)
+        if child is None or child >= len(count):
+            return depth, predicted
+        node = child
+    return len(response), predicted
