@@ -129,12 +129,14 @@ def test_a_speculative_step_over_static_decoding_is_the_eager_steps(device):
 @pytest.mark.parametrize("device", ["cpu", CUDA])
 def test_drafts_are_left_to_eager_engines_unless_asked_for(device):
     """tree.enabled=auto drafts in the tails of speculative rollouts, except where plain decode
-    forwards are CUDA graphs (a forward with drafts would run eagerly); true drafts anyway."""
+    forwards are CUDA graphs (a forward with drafts would run eagerly); true drafts anyway.
+    There a reused token saves no row of a forward, only forwards (the budget's rows_free)."""
     eager, static = engines(init=0.5, device=device)
     graphs = device == "cuda"
     assert [e.capabilities.graph_decoding for e in (eager, static)] == [False, graphs]
     for engine, drafts in ((eager, True), (static, not graphs)):
         auto = SpeculativeStage(engine, SamplingParams(1.0), 12, SpecConfig(reuse="trie"))
         assert auto.tree_drafts == drafts
+        assert auto.reuse.budget.rows_free == (not drafts)
         asked = SpecConfig(reuse="trie", tree=TreeConfig(enabled=True))
         assert SpeculativeStage(engine, SamplingParams(1.0), 12, asked).tree_drafts

@@ -221,6 +221,10 @@ def test_a_reused_token_is_priced_by_the_decode_forwards_its_reuse_removes():
     budget = TrieBudget()
     budget.observe_loop([10, 2], [8, 0])  # reuse on the slowest slot: 0.8 at 8/12, at most 1
     assert budget.loop_factor == 1.0
+    graphs = TrieBudget(width=width, rows_free=True)  # a bucket's graph computes all its rows
+    graphs.observe_decode(5.0, 100)
+    graphs.observe_loop([10, 8, 6, 4], [8, 8, 6, 0])
+    assert graphs.row_cost == 0.0 and graphs.token_cost(0.5) == pytest.approx(0.025)
 
 
 @pytest.mark.parametrize("token_cost", [0.4, 1e-6], ids=["pruned", "nothing-pays"])

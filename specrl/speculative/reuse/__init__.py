@@ -53,7 +53,8 @@ def reuse_strategy(
                 "rollout.spec.reuse=trie needs an engine that verifies tries (hf, vllm); "
                 "use rollout.spec.reuse=slot on this engine"
             )
-        return TrieReuse(engine, prompts.tree, sampling, TrieBudget(cfg.verify_budget, width))
+        budget = TrieBudget(cfg.verify_budget, width, rows_free=capabilities.graph_decoding)
+        return TrieReuse(engine, prompts.tree, sampling, budget)
     if cfg.verify_mode == "decoding":
         if not capabilities.draft_decoding:
             raise UserError(
@@ -61,5 +62,5 @@ def reuse_strategy(
                 "or a vllm engine built with draft_tokens); use verify_mode=full"
             )
         return SlotReuseInDecoding(prompts.store)
-    budget = DraftBudget(cfg.verify_budget, width)
+    budget = DraftBudget(cfg.verify_budget, width, rows_free=capabilities.graph_decoding)
     return SlotReuse(engine, rule, prompts.store, sampling, cfg, budget)

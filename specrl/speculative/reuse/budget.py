@@ -32,12 +32,14 @@ c0 spread over the tokens) and f the share of the loop's forwards reuse removes 
 tokens it reuses. f is measured in hindsight on every call, over all its slots: F the longest
 response, F' the longest that would have been left to decode after walks of the whole tries, H of
 the T response tokens reusable: f = ((F − F') / F) / (H / T), decayed, at most 1. Early in RL a
-few slots reuse a little and F' = F: f ≈ 0 and a node pays only the rows it saves; on a CPU
-running a real model, or on a GPU decoding as graphs, a forward costs about the same at any
-batch size (cs ≈ 0), so there nothing is verified until reuse shortens the loop. Before any
+few slots reuse a little and F' = F: f ≈ 0 and a node pays only the rows it saves (SmolLM2-135M
+on 2 CPU cores: c0 ≈ 80 ms, cs ≈ 2.5 ms, c_node ≈ 2.5-3.5 ms, so only nodes most of a prompt's
+slots reach); where a forward costs the same at any batch size (cs ≈ 0: a GPU decoding as
+graphs) nothing is verified until reuse shortens the loop. Before any
 evidence, f is r, the share of the prompt's tokens its walks are expected to reuse were every
-node verified (Σ ρ^depth · count over Σ count). Until cs is fitted (too little spread in the
-forwards' batch sizes) c_token is a. Until a verification pass has been timed, c_node
+node verified (Σ ρ^depth · count over Σ count). On an engine that decodes as CUDA graphs cs is
+0 (`rows_free`: a bucket's graph computes all its rows); elsewhere, until cs is fitted (too
+little spread in the forwards' batch sizes) c_token is a. Until a verification pass has been timed, c_node
 is the engine's prefill seconds per position (a pass computes its positions as a prefill does;
 decoding's prefills are timed from the first call on). All evidence decays by `decay` per call.
 ρ has a prior of one predicted move, 0.9 of it taken: before any walk, the policy is taken to
@@ -88,10 +90,15 @@ class VerifyCosts:
     per token). `enabled` false: everything is verified."""
 
     def __init__(
-        self, enabled: bool = True, width: DraftWidth | None = None, decay: float = 0.8
+        self,
+        enabled: bool = True,
+        width: DraftWidth | None = None,
+        decay: float = 0.8,
+        rows_free: bool = False,
     ) -> None:
         self.enabled = enabled
         self.width = width
+        self.rows_free = rows_free
         self.decay = decay
         # decayed sums: [seconds, positions] of verification passes and of the engine's prefill
         # forwards, [seconds, tokens] of decoding
@@ -114,7 +121,10 @@ class VerifyCosts:
 
     @property
     def row_cost(self) -> float | None:
-        """What one more row costs a decode forward (None: not fitted)."""
+        """What one more row costs a decode forward: nothing on an engine that decodes as CUDA
+        graphs (a bucket's graph computes all its rows), else as fitted (None: not yet)."""
+        if self.rows_free:
+            return 0.0
         fit = self.width.cost() if self.width is not None else None
         return None if fit is None else fit[1]
 
@@ -146,9 +156,13 @@ class VerifyCosts:
 
 class TrieBudget(VerifyCosts):
     def __init__(
-        self, enabled: bool = True, width: DraftWidth | None = None, decay: float = 0.8
+        self,
+        enabled: bool = True,
+        width: DraftWidth | None = None,
+        decay: float = 0.8,
+        rows_free: bool = False,
     ) -> None:
-        super().__init__(enabled, width, decay)
+        super().__init__(enabled, width, decay, rows_free)
         self._moves = np.zeros(2)  # decayed [moves taken, moves predicted] of whole-trie walks
         # decayed [forwards removed, forwards, tokens reused, tokens] of the calls' decode
         # loops, had every node been verified
@@ -210,9 +224,13 @@ class TrieBudget(VerifyCosts):
 
 class DraftBudget(VerifyCosts):
     def __init__(
-        self, enabled: bool = True, width: DraftWidth | None = None, decay: float = 0.8
+        self,
+        enabled: bool = True,
+        width: DraftWidth | None = None,
+        decay: float = 0.8,
+        rows_free: bool = False,
     ) -> None:
-        super().__init__(enabled, width, decay)
+        super().__init__(enabled, width, decay, rows_free)
         self._cuts = np.zeros(2)  # decayed [tokens accepted, rejections] of verified drafts
 
     @property
