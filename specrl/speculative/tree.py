@@ -42,6 +42,7 @@ class PromptTree:
     def _build(self) -> None:
         self.token = [-1]
         self.parent = [-1]
+        self.depth = [0]
         self.count = [0]
         self.children: list[dict[int, int]] = [{}]
         self.best = [-1]  # most frequent child
@@ -70,6 +71,7 @@ class PromptTree:
                 child = len(self.token)
                 self.token.append(t)
                 self.parent.append(node)
+                self.depth.append(self.depth[node] + 1)
                 count.append(0)
                 children.append({})
                 best.append(-1)

@@ -189,7 +189,7 @@ def test_where_a_response_lands_in_its_trie_as_the_step_found_it():
     """A walk of the whole trie in hindsight: the response's leading tokens on a path of the
     nodes that existed (ids below len(count)), and the moves the counts then predicted."""
     tree = trie_of([*RESPONSES, [3]])  # [3] stopped at its length: 1 of [3]'s 5 went no further
-    count = np.asarray(tree.count)
+    count = list(tree.count)
     assert reachable(tree, count, [3, 4, 5, EOS]) == (4, 1.0 + 4 / 5 + 1.0 + 1.0)
     assert reachable(tree, count, [3, 8, 1]) == (2, 1.0 + 4 / 5)  # [3, 8] has no children
     assert reachable(tree, count, [7, 3]) == (0, 1.0)

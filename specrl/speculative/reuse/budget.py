@@ -187,10 +187,7 @@ class TrieBudget(VerifyCosts):
         """The nodes of `tree` worth verifying for `walkers` slots (all of them while the costs
         are unknown, or with the budget off)."""
         count = np.asarray(tree.count, dtype=np.float64)
-        parent = tree.parent
-        depth = np.zeros(len(count))
-        for v in range(1, len(count)):  # parents come before their children
-            depth[v] = depth[parent[v]] + 1
+        depth = np.asarray(tree.depth)
         reach = walkers * self.drift**depth * count / count[ROOT]
         reach[ROOT] = 0.0
         # the share of the prompt's tokens the walks are expected to reuse, were all verified

@@ -45,7 +45,7 @@ class TrieReuse(Reuse):
         self.tree = tree
         self.sampling = sampling
         self.budget = budget
-        self._counts: dict[str, np.ndarray] = {}  # the counts of this call's tries, by prompt id
+        self._counts: dict[str, list[int]] = {}  # the counts of this call's tries, by prompt id
 
     def before_decoding(
         self, slots: list[Slot], seed_key: tuple, prefixes: Prefixes | None, stats: RolloutStats
@@ -64,7 +64,7 @@ class TrieReuse(Reuse):
         # each walker's trie as it stands now: where its response lands in it tells, after
         # decoding, what a walk of the whole trie would have reused (`reachable`)
         self._counts = {
-            slots[i].prompt.prompt_id: np.asarray(self.tree.get(slots[i].prompt.prompt_id).count)
+            slots[i].prompt.prompt_id: list(self.tree.get(slots[i].prompt.prompt_id).count)
             for i in walkers
         }
         if not walkers:
@@ -195,21 +195,21 @@ def walk_trie(
     return walks
 
 
-def reachable(tree: PromptTree, count: np.ndarray, response: Sequence[int]) -> tuple[int, float]:
+def reachable(tree: PromptTree, count: Sequence[int], response: Sequence[int]) -> tuple[int, float]:
     """How many leading tokens of `response` are a path of the trie as it stood when the step
     began (its first len(count) nodes, with those counts), and the moves the counts predicted
     along it (Σ over the nodes passed that had children of the share of their earlier responses
     that went on to one). With every node verified a walk reuses exactly those tokens: the
     response is what the walk and decoding drew, so this is a walk of the whole trie in
     hindsight, whatever the budget verified."""
-    node, predicted = ROOT, 0.0
+    node, predicted, size = ROOT, 0.0, len(count)
     for depth, token in enumerate(response):
-        children = [c for c in tree.children[node].values() if c < len(count)]
-        if not children:
+        went_on = sum(count[c] for c in tree.children[node].values() if c < size)
+        if not went_on:
             return depth, predicted
-        predicted += count[children].sum() / count[node]
+        predicted += went_on / count[node]
         child = tree.children[node].get(token)
-        if child is None or child >= len(count):
+        if child is None or child >= size:
             return depth, predicted
         node = child
     return len(response), predicted
