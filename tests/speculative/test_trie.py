@@ -170,8 +170,9 @@ def test_before_its_first_pass_the_budget_prices_a_node_as_a_prefilled_position(
 
 
 def test_a_reused_token_saves_a_row_and_the_share_of_forwards_reuse_removes():
-    """c_token = cs + (a − cs) · r: one row of decode forwards (cs, fitted to the forwards as
-    c0 + cs · rows), and as much of the average a as the expected reuse r shortens the loop."""
+    """c_token = cs + (a − cs) · f: one row of decode forwards (cs, fitted to the forwards as
+    c0 + cs · rows), and the share f of the rest of the average a that reuse removes from the
+    loop (measured in hindsight; before that, the expected reuse)."""
     width = DraftWidth(4)
     for rows in range(2, 34, 4):
         width.observe_forward(rows, rows, 0.1 + 0.01 * rows)  # c0 = 0.1 s, cs = 0.01 s
