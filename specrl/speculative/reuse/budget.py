@@ -31,32 +31,31 @@ longest tail: c_token = cs + (a − cs) · f, a being decoding's average seconds
 c0 spread over the tokens) and f the share of the loop's forwards reuse removes per share of the
 tokens it reuses. f is measured in hindsight on every call, over all its slots: F the longest
 response, F' the longest that would have been left to decode after walks of the whole tries, H of
-the T response tokens reusable: f = ((F − F') / F) / (H / T), decayed, at most 1. Early in RL a
-few slots reuse a little and F' = F: f ≈ 0 and a node pays only the rows it saves (SmolLM2-135M
-on 2 CPU cores: c0 ≈ 80 ms, cs ≈ 2.5 ms, c_node ≈ 2.5-3.5 ms, so only nodes most of a prompt's
-slots reach); where a forward costs the same at any batch size (cs ≈ 0: a GPU decoding as
-graphs) nothing is verified until reuse shortens the loop. Before any
+the T response tokens reusable: f = ((F − F') / F) / (H / T), decayed, at most 1; before any
 evidence, f is r, the share of the prompt's tokens its walks are expected to reuse were every
-node verified (Σ ρ^depth · count over Σ count). On an engine that decodes as CUDA graphs cs is
-0 (`rows_free`: a bucket's graph computes all its rows); elsewhere, until cs is fitted (too
-little spread in the forwards' batch sizes) c_token is a. Until a verification pass has been timed, c_node
-is the engine's prefill seconds per position (a pass computes its positions as a prefill does;
-decoding's prefills are timed from the first call on). All evidence decays by `decay` per call.
-ρ has a prior of one predicted move, 0.9 of it taken: before any walk, the policy is taken to
-have moved from its history, so the first pass verifies the nodes within a few tokens of the
-roots and those many responses share, and the evidence decides how deep later passes go (on a
-real model early in RL a first pass of every node cost half a step's decoding; on the shipped
-task the first pass, at 0.9, still reuses about half of what the next ones do). Until both
-costs have been measured (on an engine that does not time its prefills, until its first pass)
-every node is verified. The budget is not checkpointed: a resumed run measures its machine again.
+node verified (Σ ρ^depth · count over Σ count). Early in RL a few slots reuse a little and
+F' = F: f ≈ 0 and a node pays only the rows it saves (SmolLM2-135M on 2 CPU cores: c0 ≈ 80 ms,
+cs ≈ 2.5 ms, c_node ≈ 2.5-3.5 ms, so only nodes most of a prompt's slots reach). On an engine
+that decodes as CUDA graphs a row costs nothing (`rows_free`: a bucket's graph computes all its
+rows), so cs = 0 and nothing is verified until reuse shortens the loop; elsewhere, until cs is
+fitted (too little spread in the forwards' batch sizes), c_token is a. Until a verification pass has
+been timed, c_node is the engine's prefill seconds per position (a pass computes its positions as a
+prefill does; decoding's prefills are timed from the first call on). All evidence decays by `decay`
+per call. ρ has a prior of one predicted move, 0.9 of it taken: before any walk, the policy is taken
+to have moved from its history, so the first pass verifies the nodes within a few tokens of the
+roots and those many responses share, and the evidence decides how deep later passes go (on a real
+model early in RL a first pass of every node cost half a step's decoding; on the shipped task the
+first pass, at 0.9, still reuses about half of what the next ones do). Until both costs have been
+measured (on an engine that does not time its prefills, until its first pass) every node is
+verified. The budget is not checkpointed: a resumed run measures its machine again.
 
 **Drafts** (`reuse=slot`, verified in one pass or in chunks). A slot's draft token j is reused only
 when the rule accepts it and every token before it: with probability ≈ α^j, α the rule's per-token
 accept rate, fitted from the cuts (tokens accepted against tokens accepted plus rejections,
 decayed, with a prior like ρ's: one token decided, 0.9 of it accepted). Token j is verified
 while α^j · c_token exceeds c_node, c_node being the verification passes' seconds per position
-(context and draft) and c_token priced as for tries, with r the share of the drafts' tokens
-expected to be reused.
+(context and draft) and c_token priced as for tries before their evidence, with r the share of
+the drafts' tokens expected to be reused.
 The verified part is a prefix of the draft; a draft all of whose verified prefix is accepted is
 continued by decoding from there, as if the draft had ended there (nothing was rejected, so no
 residual): under the exact rule the rollouts stay distributed as the policy's samples.
