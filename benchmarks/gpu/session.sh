@@ -4,7 +4,9 @@
 # with arms vanilla and trie on the default 25M policy with rollout.static_decode (CUDA graphs),
 # without it (eager), and on the 268M policy with it. PARTS picks the parts, in order (default
 # "graphs-25m eager-25m graphs-268m"); profile-graphs-25m profiles a plain and a reuse step of
-# each arm with graphs (benchmarks/profile_steps.py; the bench after it is cut off). Each part
+# each arm with graphs (benchmarks/profile_steps.py; the bench after it is cut off). ARMS sets
+# every part's arms (default "vanilla,trie"; the profile's arms after a vanilla bench);
+# GPU_TESTS=0 skips the tests. Each part
 # has its own time limit, so one that fails or runs long leaves the others; what comes back is
 # OUT's logs and one tarball of the benches (bench.json, bench.png, metrics, profiles and logs;
 # no weights or checkpoints).
@@ -30,7 +32,7 @@ if compgen -G ".whl/*.whl" > /dev/null; then
   "$python" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
     --target /tmp/specrl-site .whl/*.whl
 fi
-PYTHONPATH="/tmp/specrl-site:$PWD" timeout 90 "$python" -m pytest -p no:cacheprovider \
+[ "${GPU_TESTS:-1}" = 0 ] || PYTHONPATH="/tmp/specrl-site:$PWD" timeout 90 "$python" -m pytest -p no:cacheprovider \
   --numprocesses=0 -q -rs -o addopts= -m gpu tests/engines/test_static_decode.py 2>&1 \
   | tee "$out/gpu-tests.log"
 
@@ -43,13 +45,13 @@ part() {  # part NAME SECONDS VAR=VALUE...: run.sh into $work/NAME, its output i
 }
 for name in ${PARTS:-graphs-25m eager-25m graphs-268m}; do
   case $name in
-    graphs-25m) part "$name" 160 STATIC_DECODE=1 STEPS=12 TRAIN_SIZE=128 ARMS=vanilla,trie ;;
-    eager-25m) part "$name" 110 STEPS=12 TRAIN_SIZE=128 ARMS=vanilla,trie ;;
+    graphs-25m) part "$name" 220 STATIC_DECODE=1 STEPS=12 TRAIN_SIZE=128 ARMS=${ARMS:-vanilla,trie} ;;
+    eager-25m) part "$name" 110 STEPS=12 TRAIN_SIZE=128 ARMS=${ARMS:-vanilla,trie} ;;
     graphs-268m) part "$name" 200 STATIC_DECODE=1 HIDDEN=1024 LAYERS=16 HEADS=16 SFT_STEPS=400 \
-      SFT_LR=5e-4 STEPS=8 TRAIN_SIZE=64 ARMS=vanilla,trie ;;
+      SFT_LR=5e-4 STEPS=8 TRAIN_SIZE=64 ARMS=${ARMS:-vanilla,trie} ;;
     # the profile; the bench after it is cut off by the part's limit
     profile-graphs-25m) part "$name" 150 STATIC_DECODE=1 STEPS=12 TRAIN_SIZE=128 ARMS=vanilla \
-      PROFILE_ARMS=vanilla,trie ;;
+      PROFILE_ARMS=${ARMS:-vanilla,trie} ;;
     *) echo "unknown part $name" >&2 ;;
   esac
 done

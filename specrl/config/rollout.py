@@ -14,9 +14,8 @@ class TreeConfig(Section):
     enabled: Literal["auto", True, False] = Field(
         "auto",
         description="token-tree drafts (SRT) for the tokens that still have to be decoded; auto: "
-        "in speculative rollouts, except on an engine that decodes as CUDA graphs (hf with "
-        "rollout.static_decode on CUDA: a forward with drafts runs eagerly, measured at 3-13x a "
-        "graph forward's time on an H200)",
+        "in speculative rollouts (on hf with rollout.static_decode on CUDA, forwards with drafts "
+        "replay CUDA graphs too)",
     )
     method: Literal["specrl", "suffix"] = Field(
         "specrl",
@@ -96,13 +95,12 @@ class SpecConfig(Section):
             return self.reuse == "trie"
         return self.acceptance == "exact" and trie_verification and self.verify_mode != "decoding"
 
-    def uses_tree(self, graph_decoding: bool = False) -> bool:
+    def uses_tree(self) -> bool:
         """Whether token-tree drafts are in effect: `auto` uses them for what speculative
-        rollouts decode, unless the engine's plain decode forwards are CUDA graphs
-        (`Capabilities.graph_decoding`)."""
+        rollouts decode."""
         if self.tree.enabled != "auto":
             return self.tree.enabled
-        return self.enabled and not graph_decoding
+        return self.enabled
 
     def decodes_with_drafts(self) -> bool:
         """Whether the engine is asked to decode with drafts (token trees or stored drafts)."""

@@ -149,8 +149,9 @@ class Capabilities:
     own_drafts: bool = False
     ragged_drafts: bool = False
     trie_verification: bool = False
-    # plain decode forwards replay CUDA graphs, while a forward with drafts runs eagerly at the
-    # cost of several (hf with rollout.static_decode on CUDA): tree.enabled=auto drafts nothing
+    # decode forwards replay CUDA graphs (hf with rollout.static_decode on CUDA): a row of a
+    # forward costs nothing, so the verification budgets price a reused token by the forwards
+    # its reuse removes alone
     graph_decoding: bool = False
 
 

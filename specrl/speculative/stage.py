@@ -56,7 +56,7 @@ class SpeculativeStage:
                 "rollout.spec.tree.enabled=true needs an engine that decodes with drafts (hf, or "
                 "a vllm engine built with draft_tokens); use tree.enabled=auto"
             )
-        uses_tree = cfg.uses_tree(capabilities.graph_decoding)
+        uses_tree = cfg.uses_tree()
         if cfg.tree.method == "suffix" and uses_tree and not capabilities.own_drafts:
             raise UserError(
                 "rollout.spec.tree.method=suffix needs an engine that drafts with vLLM's suffix "

@@ -1,8 +1,8 @@
-"""Plain decoding at static shapes (static_decode.py) against the eager decode loop, on the CPU:
-the same tokens and finish reasons, logprobs equal to float rounding, every forward at a bucketed
-batch over one arena's columns. On CUDA each bucket's forward is a CUDA graph, captured once and
-replayed: the tests marked gpu (`pytest -m gpu`, where a GPU is) compare that path to the eager
-loop on the same device."""
+"""Decoding at static shapes (static_decode.py) against the eager decode loop, on the CPU: the
+same tokens and finish reasons, logprobs equal to float rounding, every forward at a bucketed
+batch and fed width over one arena's columns, with and without drafts. On CUDA each bucket's
+forward is a CUDA graph, captured once and replayed: the tests marked gpu (`pytest -m gpu`, where
+a GPU is) compare that path to the eager loop on the same device."""
 
 import pytest
 import torch
@@ -10,10 +10,11 @@ import torch
 from specrl.config import SpecConfig, TreeConfig
 from specrl.engines import GenRequest, SamplingParams
 from specrl.engines.hf import HFEngine
-from specrl.engines.hf.static_decode import COLUMN_BUCKET, bucket
+from specrl.engines.hf.static_decode import COLUMN_BUCKET, Arena, StaticKV, bucket
 from specrl.speculative.stage import SpeculativeStage
 from specrl.types import Example, Prompt
 from tests.conftest import EOS, PAD, make_tiny_model
+from tests.engines.test_drafts import drafting
 
 CUDA = pytest.param(
     "cuda",
@@ -101,13 +102,37 @@ def test_every_forward_is_at_a_bucketed_batch_over_one_arena_that_grows_when_nee
 
 
 @pytest.mark.parametrize("device", ["cpu", CUDA])
-def test_a_speculative_step_over_static_decoding_is_the_eager_steps(device):
-    """History tries walked, the rest decoded plainly from the walks' prefixes (KV handed over
-    from the trie pass, first draws excluding the children left): the same rollouts either way,
-    the static engine's tails decoded in its arena."""
+def test_static_decoding_with_drafts_samples_the_eager_loops_tokens(device, monkeypatch):
+    """Drafts fed in the arena at bucketed widths: own outputs (accepted) for some rows, random
+    tokens (mostly rejected, their columns masked, then compacted away) for the rest."""
+    eager, static = engines(init=0.3, device=device)
+    calls, compact = [], StaticKV.compact
+    monkeypatch.setattr(StaticKV, "compact", lambda *a: calls.append(1) or compact(*a))
+    widths, run = [], Arena._run
+    monkeypatch.setattr(Arena, "_run", lambda *a: widths.append(a[3]) or run(*a))
+    sampling = SamplingParams(1.0)
+    long = [GenRequest(r.prompt_ids, 60, sampling, seed=r.seed) for r in requests(13, sampling)]
+    for batch in (requests(13, sampling), long):
+        plain = eager.generate(batch)
+        references = [r.token_ids for r in plain[:6]] + [[]] * (len(batch) - 6)
+        drafted = static.generate_with_drafts(batch, drafting(references, k=8))
+        assert_same(plain, drafted)
+        assert all(r.accepted_tokens == r.draft_tokens > 0 for r in drafted[:6])
+        assert sum(r.draft_tokens - r.accepted_tokens for r in drafted) > 0
+    assert calls  # rejected drafts' columns compacted within the arena
+    assert set(widths) <= {1, 2, 4, 8, 9} and 9 in widths  # K + 1 in width buckets
+    assert static.static.arena.width == 9
+
+
+@pytest.mark.parametrize("drafts", [False, True])
+@pytest.mark.parametrize("device", ["cpu", CUDA])
+def test_a_speculative_step_over_static_decoding_is_the_eager_steps(device, drafts):
+    """History tries walked, the rest decoded from the walks' prefixes (KV handed over from the
+    trie pass, first draws excluding the children left), plainly or with tree drafts: the same
+    rollouts either way, the static engine's tails decoded in its arena."""
     prompts = [Prompt((2, 3, 4 + i % 7, 5 + i % 3), Example(f"p{i}", "", "t")) for i in range(6)]
-    # every node verified (the budget decides from timings); no drafts, which decode eagerly
-    cfg = SpecConfig(reuse="trie", verify_budget=False, tree=TreeConfig(enabled=False))
+    # every node verified (the budget decides from timings)
+    cfg = SpecConfig(reuse="trie", verify_budget=False, tree=TreeConfig(enabled=drafts))
     stages = [
         SpeculativeStage(engine, SamplingParams(1.0), 12, cfg)
         for engine in engines(init=0.5, device=device)
@@ -124,19 +149,18 @@ def test_a_speculative_step_over_static_decoding_is_the_eager_steps(device):
             )
     assert eager_stats.reused_tokens > 0
     assert 2 in adopted  # a reuse step's tails decoded in the arena
+    assert (static_engine.arena.width > 1) == drafts  # with drafts, fed there too
 
 
 @pytest.mark.parametrize("device", ["cpu", CUDA])
-def test_drafts_are_left_to_eager_engines_unless_asked_for(device):
-    """tree.enabled=auto drafts in the tails of speculative rollouts, except where plain decode
-    forwards are CUDA graphs (a forward with drafts would run eagerly); true drafts anyway.
-    There a reused token saves no row of a forward, only forwards (the budget's rows_free)."""
+def test_tree_drafts_decode_on_every_engine_and_graphs_free_the_rows(device):
+    """tree.enabled=auto drafts in the tails of speculative rollouts on either path (with static
+    decoding, in the arena). Where decode forwards are CUDA graphs a reused token saves no row
+    of a forward, only forwards (the budget's rows_free)."""
     eager, static = engines(init=0.5, device=device)
     graphs = device == "cuda"
     assert [e.capabilities.graph_decoding for e in (eager, static)] == [False, graphs]
-    for engine, drafts in ((eager, True), (static, not graphs)):
+    for engine, rows_free in ((eager, False), (static, graphs)):
         auto = SpeculativeStage(engine, SamplingParams(1.0), 12, SpecConfig(reuse="trie"))
-        assert auto.tree_drafts == drafts
-        assert auto.reuse.budget.rows_free == (not drafts)
-        asked = SpecConfig(reuse="trie", tree=TreeConfig(enabled=True))
-        assert SpeculativeStage(engine, SamplingParams(1.0), 12, asked).tree_drafts
+        assert auto.tree_drafts
+        assert auto.reuse.budget.rows_free == rows_free

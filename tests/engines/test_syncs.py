@@ -15,6 +15,7 @@ from specrl.engines.hf import HFEngine
 from specrl.speculative.stage import SpeculativeStage
 from specrl.types import Example, Prompt
 from tests.conftest import PAD, make_tiny_model
+from tests.engines.test_drafts import drafting
 
 SYNCING = {
     "aten._local_scalar_dense.default", "aten.item.default", "aten.nonzero.default",
@@ -123,19 +124,21 @@ def test_no_forward_attends_through_cudnn_plans_and_the_process_keeps_its_choice
 
 def test_a_static_decode_forward_syncs_nothing(counted, monkeypatch):
     """What a CUDA graph records (static_decode.py's arena forward: the model over the arena's
-    buffers) may not sync the host at all: a capture fails on the first sync."""
+    buffers, one fed column or a row's drafts too) may not sync the host at all: a capture fails
+    on the first sync."""
     from specrl.engines.hf.static_decode import Arena
 
     run, forwards = Arena._run, []
 
-    def counted_run(self, model, rows):
+    def counted_run(self, model, rows, width):
         logits = []
-        forwards.append(counted(lambda: logits.append(run(self, model, rows))))
+        forwards.append((width, counted(lambda: logits.append(run(self, model, rows, width)))))
         return logits[0]
 
     monkeypatch.setattr(Arena, "_run", counted_run)
     engine = HFEngine(make_tiny_model(), [NEVER], PAD, static_decode=True)
-    engine.generate(
-        [GenRequest([2, 3, 4 + i % 5], 10, SamplingParams(1.0), seed=i) for i in range(5)]
-    )
-    assert len(forwards) == 10 and all(count == (0, 0) for count in forwards), forwards
+    requests = [GenRequest([2, 3, 4 + i % 5], 10, SamplingParams(1.0), seed=i) for i in range(5)]
+    plain = engine.generate(requests)
+    engine.generate_with_drafts(requests, drafting([r.token_ids for r in plain]))
+    assert len(forwards) > 10 and {width for width, _ in forwards} > {1}
+    assert all(count == (0, 0) for _, count in forwards), forwards

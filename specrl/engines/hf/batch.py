@@ -68,6 +68,8 @@ class DecodeBatch:
         drafts per row [B], the column numbers [K+1]."""
         device = self.tokens.device
         width = max(map(len, drafts))
+        if not self.cache.holds(self.attention.shape[1], width + 1):
+            self.attention = self.cache.compact(self.attention)
         fed = self.tokens[:, None]
         if width:
             padding = [pad] * width

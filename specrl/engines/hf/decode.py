@@ -68,9 +68,10 @@ class Decoder:
         contexts = [list(requests[i].prompt_ids) + list(requests[i].prefix_ids) for i in live]
         cache, attention = self._prefill(contexts)
         forward = self.forward
-        if self.static is not None and drafter is None and cache.layers:  # plain decoding
+        if self.static is not None and cache.layers:
             most = max(requests[i].max_new_tokens for i in live)
-            cache, forward = self.static.adopt(cache, attention, most), self.static
+            width = 1 if drafter is None else drafter.max_tokens + 1
+            cache, forward = self.static.adopt(cache, attention, most, width), self.static
         batch = DecodeBatch.start(requests, live, contexts, cache, attention)
         eos = torch.tensor(sorted(self.eos_token_ids), device=self.device)
         while True:

@@ -100,7 +100,9 @@ class HFEngine:
         drafter: Drafter,
         prefixes: PrefixCache | None = None,
     ) -> list[GenResult]:
-        return self._decode(requests, Decoder(*self._decoder_args(), prefixes, drafter))
+        return self._decode(
+            requests, Decoder(*self._decoder_args(), prefixes, drafter, self.static)
+        )
 
     def _decoder_args(self) -> tuple:
         return self.forward, self.counts, self.eos_token_ids, self.pad_token_id, self.device

@@ -34,6 +34,11 @@ class DecodeCache(DynamicCache):
             self.drop_front(padding)
         return attention[:, padding:]
 
+    def holds(self, context: int, fed: int) -> bool:
+        """Whether a forward can feed `fed` columns after `context` columns without compacting
+        first (this cache grows)."""
+        return True
+
     def drop_front(self, columns: int) -> None:
         """Drop the first `columns` KV columns, which no row attends to."""
         for layer in self.layers:

@@ -1,29 +1,37 @@
-"""Plain decoding at static shapes (`rollout.static_decode`): the KV cache allocated once, batch
-sizes in buckets, and on CUDA each bucket's decode forward captured once as a CUDA graph and
-replayed.
+"""Decoding at static shapes (`rollout.static_decode`): the KV cache allocated once, batch sizes
+and fed widths in buckets, and on CUDA each bucket's decode forward captured once as a CUDA graph
+and replayed.
 
 The eager decode loop (decode.py) narrows its KV cache as rows finish and drops the columns no
 row attends to, so its forwards change shape as they go; on a GPU a small model's decode forward
 is then bound by the host launching its kernels one by one. Here a decode call's KV lives in an
 `Arena`: buffers [rows, kv heads, columns, head dim] per layer, `rows` the largest batch so far
-rounded up to a power of two and `columns` the most any call has needed (widest context plus
-largest token budget) rounded up to `COLUMN_BUCKET`: one arena, replaced by a larger one when a
-call needs more. A forward feeds the live rows padded to the next power of two (idle rows feed
-the pad token at position 0 and attend to column 0; their outputs are dropped), writes its new KV
-column in place (every row writes the same column: contexts are left-padded) and attends through
-a 4-D mask over all the arena's columns. Columns not written in this call are masked; the buffers
-start zeroed and hold only KV computed since, so what a masked column holds is finite and weighs
-exactly 0. Finished rows leave as in the eager cache (the last live rows move into their places).
-On CUDA the forward of each bucket is captured after two warm-up runs on a side stream (the
-runs write the same KV the step writes) and replayed for every later forward of that bucket, in
-this call and in later calls. Drafts (token trees, stored drafts verified in decoding) change a
-forward's width every step: those calls keep the eager loop.
+rounded up to a power of two and `columns` the most any call has needed rounded up to
+`COLUMN_BUCKET`: one arena, replaced by a larger one when a call needs more. A forward feeds the
+live rows padded to the next power of two (idle rows feed the pad token at position 0 and attend
+to column 0; their outputs are dropped), each row its token and, with a drafter, its K draft
+tokens, the fed width padded to a width bucket (the padding columns attend as the last real one
+does; their outputs are dropped). It writes its new KV columns in place (every row writes the
+same columns: contexts are left-padded, and a rejected draft's column stays, masked out) and
+attends through a 4-D mask over all the arena's columns, causal among the fed ones. Columns not
+written in this call are masked; the buffers start zeroed and hold only KV computed since, so
+what a masked column holds is finite and weighs exactly 0. Finished rows leave as in the eager
+cache (the last live rows move into their places); when rejected drafts have left the columns
+sparse, every row's attended columns move to the right end (`StaticKV.compact`), as in the eager
+cache, within the same buffers. A call with drafts gets room for that: twice its widest context
+and budget, plus a spare fed width (the decode loop compacts before the columns are twice what
+its longest row attends to).
+
+On CUDA the forward of each (batch bucket, width bucket) is captured after two warm-up runs on a
+side stream (the runs write the same KV the step writes) and replayed for every later forward of
+that shape, in this call and in later calls.
 
 The tokens are the eager loop's: the same uniforms and logits over the same attended columns,
 the masked ones adding exact zeros (float sums over a wider row may round differently in the last
-bits). tests/engines/test_static_decode.py compares the two paths on the CPU, and the graph path
-with the eager loop on a GPU (marker gpu). On an H200 a plain decode forward of the 25M toy
-policy took 1.4-1.9 ms as a graph, 8.3-8.7 ms eager (benchmarks/gpu-h200-hf-static-decode).
+bits). tests/engines/test_static_decode.py compares the two paths on the CPU, with and without
+drafts, and the graph path with the eager loop on a GPU (marker gpu). On an H200 a plain decode
+forward of the 25M toy policy took 1.4-1.9 ms as a graph, 8.3-8.7 ms eager
+(benchmarks/gpu-h200-hf-static-decode).
 """
 
 from __future__ import annotations
@@ -47,69 +55,79 @@ def bucket(rows: int) -> int:
 
 
 class Arena:
-    """The KV buffers, static inputs and captured graphs of one decode shape."""
+    """The KV buffers, static inputs and captured graphs of one decode shape: up to `rows` rows,
+    `columns` KV columns, `width` fed columns per row."""
 
-    def __init__(self, like: list[torch.Tensor], rows: int, columns: int) -> None:
+    def __init__(self, like: list[torch.Tensor], rows: int, columns: int, width: int) -> None:
         first = like[0]
-        self.rows, self.columns, self.device = rows, columns, first.device
+        self.rows, self.columns, self.width, self.device = rows, columns, width, first.device
         self.kv = [t.new_zeros(rows, t.shape[1], columns, t.shape[3]) for t in like]
-        self.ids = torch.zeros(rows, 1, dtype=torch.long, device=self.device)
-        self.positions = torch.zeros(rows, 1, dtype=torch.long, device=self.device)
-        self.bias = first.new_zeros(rows, 1, 1, columns)
-        self.column = torch.zeros(1, dtype=torch.long, device=self.device)  # the fed column
+        self.ids = torch.zeros(rows, width, dtype=torch.long, device=self.device)
+        self.positions = torch.zeros(rows, width, dtype=torch.long, device=self.device)
+        self.bias = first.new_zeros(rows, 1, width, columns)
+        self.fed = torch.zeros(width, dtype=torch.long, device=self.device)  # the fed columns
         self.cache = StaticKV(self)
-        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        # (rows, fed width) → the captured graph and its logits
+        self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.pool = torch.cuda.graph_pool_handle() if self.device.type == "cuda" else None
 
-    def fits(self, like: list[torch.Tensor], rows: int, columns: int) -> bool:
-        """Whether it holds KV like `like` for `rows` rows and `columns` columns (or more)."""
+    def fits(self, like: list[torch.Tensor], rows: int, columns: int, width: int) -> bool:
+        """Whether it holds KV like `like` for `rows` rows, `columns` columns and `width` fed
+        columns (or more)."""
         return (
             len(like) == len(self.kv)
             and all(a.shape[1::2] == t.shape[1::2] for a, t in zip(self.kv, like, strict=True))
             and rows <= self.rows
             and columns <= self.columns
+            and width <= self.width
             and like[0].dtype == self.kv[0].dtype
             and like[0].device == self.device
         )
 
-    def logits(self, model: PreTrainedModel, rows: int) -> torch.Tensor:
-        """The forward of the first `rows` rows of the static inputs: logits [rows, 1, V] (on
-        CUDA a graph's output, valid until its next replay)."""
+    def width_bucket(self, width: int) -> int:
+        """The fed width a forward of `width` columns runs at: the power of two at or above it,
+        at most the arena's width."""
+        return min(bucket(width), self.width)
+
+    def logits(self, model: PreTrainedModel, rows: int, width: int) -> torch.Tensor:
+        """The forward of the first `rows` rows and `width` fed columns of the static inputs:
+        logits [rows, width, V] (on CUDA a graph's output, valid until its next replay)."""
         if self.pool is None:
-            return self._run(model, rows)
-        if rows not in self.graphs:
-            self.graphs[rows] = self._capture(model, rows)
-        graph, logits = self.graphs[rows]
+            return self._run(model, rows, width)
+        if (rows, width) not in self.graphs:
+            self.graphs[rows, width] = self._capture(model, rows, width)
+        graph, logits = self.graphs[rows, width]
         graph.replay()
         return logits
 
-    def _run(self, model: PreTrainedModel, rows: int) -> torch.Tensor:
+    def _run(self, model: PreTrainedModel, rows: int, width: int) -> torch.Tensor:
         with planless_attention():
             return model(
-                input_ids=self.ids[:rows],
-                attention_mask=self.bias[:rows],
-                position_ids=self.positions[:rows],
+                input_ids=self.ids[:rows, :width],
+                attention_mask=self.bias[:rows, :, :width],
+                position_ids=self.positions[:rows, :width],
                 past_key_values=self.cache,
                 use_cache=True,
             ).logits
 
     def _capture(
-        self, model: PreTrainedModel, rows: int
+        self, model: PreTrainedModel, rows: int, width: int
     ) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
         stream = torch.cuda.Stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
             for _ in range(2):  # warm-up: kernels chosen, workspaces allocated
-                self._run(model, rows)
+                self._run(model, rows, width)
         torch.cuda.current_stream(self.device).wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool):
-            logits = self._run(model, rows)
+            logits = self._run(model, rows, width)
         return graph, logits
 
 
 class StaticKV(DecodeCache):
-    """The decode loop's cache over an arena: rows leave by moving, columns never move."""
+    """The decode loop's cache over an arena: rows leave by moving, columns move only when
+    compacted."""
 
     def __init__(self, arena: Arena) -> None:
         DynamicCache.__init__(self)
@@ -127,12 +145,25 @@ class StaticKV(DecodeCache):
     def drop_padding(self, attention: torch.Tensor) -> torch.Tensor:
         return attention  # the columns stay: the forwards keep their shape
 
+    def holds(self, context: int, fed: int) -> bool:
+        arena = self.arena
+        return context + arena.width_bucket(fed) <= arena.columns
+
     def compact(self, attention: torch.Tensor) -> torch.Tensor:
-        raise TypeError("static decoding feeds no drafts: nothing to compact")
+        """Every live row's attended columns (`attention` [B, W]) move to the right end of the
+        first W' columns in order, W' the most a row attends to: → the new mask [B, W']."""
+        rows = len(attention)
+        width = int(attention.sum(1).max())
+        columns = attention.sort(dim=1, stable=True).indices[:, attention.shape[1] - width :]
+        for buffer in self.arena.kv:
+            live = buffer[:rows]
+            index = columns[:, None, :, None].expand(-1, live.shape[1], -1, live.shape[3])
+            live[:, :, :width] = live.gather(2, index)
+        return attention.gather(1, columns)
 
 
 class _ArenaLayer(DynamicLayer):
-    """One layer of an arena: an update writes the fed column of the fed rows in place and
+    """One layer of an arena: an update writes the fed columns of the fed rows in place and
     attends over all their columns."""
 
     def __init__(self, arena: Arena, keys: torch.Tensor, values: torch.Tensor) -> None:
@@ -144,10 +175,10 @@ class _ArenaLayer(DynamicLayer):
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        rows = key_states.shape[0]
+        rows, fed = key_states.shape[0], self.arena.fed[: key_states.shape[2]]
         keys, values = self.keys[:rows], self.values[:rows]
-        keys.index_copy_(2, self.arena.column, key_states)
-        values.index_copy_(2, self.arena.column, value_states)
+        keys.index_copy_(2, fed, key_states)
+        values.index_copy_(2, fed, value_states)
         return keys, values
 
 
@@ -161,20 +192,29 @@ class StaticDecode:
         self.counts = counts
         self.arena: Arena | None = None  # one, grown to the largest call: memory stays bounded
 
-    def adopt(self, cache: DecodeCache, attention: torch.Tensor, max_new_tokens: int) -> StaticKV:
+    def adopt(
+        self, cache: DecodeCache, attention: torch.Tensor, max_new_tokens: int, width: int = 1
+    ) -> StaticKV:
         """The arena cache holding `cache`'s KV (attention [B, W]), with room for
-        `max_new_tokens` more columns."""
+        `max_new_tokens` more tokens fed `width` columns at a time (1: plain decoding)."""
         kv = layers_kv(cache)
-        rows, width = attention.shape
-        columns = -(-(width + max_new_tokens) // COLUMN_BUCKET) * COLUMN_BUCKET
+        rows, context = attention.shape
+        needed = context + max_new_tokens
+        if width > 1:  # rejected drafts' columns stay until the loop compacts them
+            needed = 2 * needed + 32 + width
+        columns = -(-needed // COLUMN_BUCKET) * COLUMN_BUCKET
         arena = self.arena
-        if arena is None or not arena.fits(kv, bucket(rows), columns):
-            size = (bucket(rows), columns)
-            if arena is not None and arena.fits(kv, 0, 0):  # the same model: grow it
-                size = (max(size[0], arena.rows), max(columns, arena.columns))
+        if arena is None or not arena.fits(kv, bucket(rows), columns, width):
+            size = (bucket(rows), columns, width)
+            if arena is not None and arena.fits(kv, 0, 0, 0):  # the same model: grow it
+                size = (
+                    max(size[0], arena.rows),
+                    max(columns, arena.columns),
+                    max(width, arena.width),
+                )
             arena = self.arena = Arena(kv, *size)
         for buffer, t in zip(arena.kv, kv, strict=True):
-            buffer[:rows, :, :width] = t
+            buffer[:rows, :, :context] = t
         return arena.cache
 
     def __call__(
@@ -186,22 +226,30 @@ class StaticDecode:
         cache: StaticKV,
         keep: int = 0,
     ) -> torch.Tensor:
-        """Logits [B, 1, V] of one decode forward of the B live rows (ids, positions [B, 1];
-        attention [B, W], its last column the fed one), counted under `kind`."""
+        """Logits [B, K+1, V] of one decode forward of the B live rows (ids, positions [B, K+1]:
+        each row's token and its K drafts; attention [B, W], its last K+1 columns the fed
+        ones), counted under `kind`."""
         started = time.perf_counter()
         arena = cache.arena
-        live, width = attention.shape
-        rows = bucket(live)
-        arena.ids[:live] = ids
-        arena.ids[live:rows] = self.pad_token_id
-        arena.positions[:live] = positions
-        arena.positions[live:rows] = 0
-        bias = arena.bias[:rows, 0, 0]  # [rows, columns]
+        live, fed = ids.shape
+        context = attention.shape[1] - fed  # the first fed column
+        rows, width = bucket(live), arena.width_bucket(fed)
+        arena.ids[:live, :fed] = ids
+        arena.ids[:live, fed:width] = self.pad_token_id
+        arena.ids[live:rows, :width] = self.pad_token_id
+        arena.positions[:live, :fed] = positions
+        arena.positions[:live, fed:width] = positions[:, -1:]
+        arena.positions[live:rows, :width] = 0
+        bias = arena.bias[:rows, 0, :width]  # [rows, width, columns]
         bias.fill_(torch.finfo(bias.dtype).min)
-        bias[:live, :width].masked_fill_(attention.bool(), 0.0)
-        bias[live:, 0] = 0.0  # idle rows attend to one column: no row is all masked
-        arena.column.fill_(width - 1)
-        logits = arena.logits(self.model, rows)[:live]
+        columns = torch.arange(attention.shape[1], device=attention.device)
+        causal = columns[None] <= context + torch.arange(fed, device=attention.device)[:, None]
+        allowed = attention.bool()[:, None, :] & causal[None]  # [B, K+1, W]
+        bias[:live, :fed, : attention.shape[1]].masked_fill_(allowed, 0.0)
+        bias[:live, fed:width] = bias[:live, fed - 1 : fed]  # padding attends as the last fed
+        bias[live:, :, 0] = 0.0  # idle rows attend to one column: no row is all masked
+        arena.fed.copy_(context + torch.arange(arena.width, device=arena.fed.device))
+        logits = arena.logits(self.model, rows, width)[:live, :fed]
         if logits.is_cuda:
             torch.cuda.synchronize(logits.device)
         self.counts.add_seconds(kind, time.perf_counter() - started)
