@@ -7,13 +7,17 @@ later rounds also have the earlier rounds' responses. Every arm samples the same
 never change them); only time and forwards differ. Writes OUT/tree_decode.json and
 OUT/tree_decode.png.
 
-    python benchmarks/tree_decode.py --out benchmarks/cpu-hf-tree-decode
+    python benchmarks/tree_decode.py --out benchmarks/cpu-hf-tree-decode [KEY=VALUE ...]
+
+KEY=VALUE overrides the run config (another model, data, sampling or lengths); `--no-online` keeps
+each round's responses out of the trees until the round ends, as a speculative step's tails draft.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import time
 from pathlib import Path
@@ -33,22 +37,31 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=4)
     parser.add_argument("--prompts", type=int, default=32)
     parser.add_argument("--fixed-k", type=int, default=8)
+    parser.add_argument("--online", action=argparse.BooleanOptionalAction, default=True)
+    parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE")
     args = parser.parse_args()
     out = Path(args.out)
     cfg = load_config(
         None,
-        [f"trainer.output_dir={out / 'run'}", "trainer.logger=[]", "trainer.resume_mode=disable"],
+        [
+            f"trainer.output_dir={out / 'run'}",
+            "trainer.logger=[]",
+            "trainer.resume_mode=disable",
+            *args.overrides,
+        ],
     )
     trainer = Trainer(cfg)  # the built-in policy, tokenizer, data and engine
     prompts = trainer.run.loader.prompts[: args.prompts]
     R, n = cfg.data.max_response_length, cfg.rollout.n
     arms = {
         "vanilla": SpecConfig(enabled=False, tree=TreeConfig(enabled=False)),
-        "tree (adaptive K)": SpecConfig(enabled=False, tree=TreeConfig(enabled=True, online=True)),
+        "tree (adaptive K)": SpecConfig(
+            enabled=False, tree=TreeConfig(enabled=True, online=args.online)
+        ),
         f"tree (K = {args.fixed_k})": SpecConfig(
             enabled=False,
             tree=TreeConfig(
-                enabled=True, online=True, adaptive=False, max_draft_tokens=args.fixed_k
+                enabled=True, online=args.online, adaptive=False, max_draft_tokens=args.fixed_k
             ),
         ),
     }
@@ -58,6 +71,7 @@ def main() -> None:
         )
         for name, spec in arms.items()
     }
+    load_average = os.getloadavg()
     histories: dict[str, list[dict[str, float]]] = {name: [] for name in arms}
     tokens: dict[str, list] = {}
     for round_ in range(args.rounds):
@@ -71,6 +85,9 @@ def main() -> None:
             print(f"round {round_} {name}: {metrics['rollout_s']:.3f} s", flush=True)
     identical = all(all(t == ts[0] for t in ts) for ts in tokens.values())
     result = {
+        "overrides": args.overrides,
+        "online_trees": args.online,
+        "load_average_at_start": load_average,
         "rounds": args.rounds,
         "prompts": len(prompts),
         "slots": n,
@@ -86,6 +103,10 @@ def main() -> None:
                 ],
                 "acceptance_rate": [m.get("spec/decode_drafts/accept_rate", 0.0) for m in h],
                 "mean_width": [m.get("spec/decode_drafts/mean_width", 0.0) for m in h],
+                "decode_forwards": [m.get("perf/decode/forwards", 0.0) for m in h],
+                "decode_computed_positions": [
+                    m.get("perf/decode/computed_positions", 0.0) for m in h
+                ],
             }
             for name, h in histories.items()
         },
