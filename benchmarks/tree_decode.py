@@ -1,8 +1,8 @@
 """Rollout-stage benchmark of token-tree drafts with a fixed policy (no training in between).
 
 The built-in policy rolls out the same prompts (32 × 8 slots, the quickstart's sampling) for
-several rounds, once per arm: vanilla, tree drafts with the adaptive width, and tree drafts with
-a fixed width K, both with online trees. Round 0 has only the trees of finished sibling slots;
+several rounds, once per arm, in turns (every other round in reverse order): vanilla, tree drafts
+with the adaptive width, and tree drafts with a fixed width K, both with online trees. Round 0 has only the trees of finished sibling slots;
 later rounds also have the earlier rounds' responses. Every arm samples the same tokens (drafts
 never change them); only time and forwards differ. Writes OUT/tree_decode.json and
 OUT/tree_decode.png.
@@ -36,7 +36,7 @@ def main() -> None:
     parser.add_argument("--out", default="tree-decode")
     parser.add_argument("--rounds", type=int, default=4)
     parser.add_argument("--prompts", type=int, default=32)
-    parser.add_argument("--fixed-k", type=int, default=8)
+    parser.add_argument("--fixed-k", type=int, default=8, help="0: no fixed-width arm")
     parser.add_argument("--online", action=argparse.BooleanOptionalAction, default=True)
     parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE")
     args = parser.parse_args()
@@ -58,13 +58,14 @@ def main() -> None:
         "tree (adaptive K)": SpecConfig(
             enabled=False, tree=TreeConfig(enabled=True, online=args.online)
         ),
-        f"tree (K = {args.fixed_k})": SpecConfig(
+    }
+    if args.fixed_k:
+        arms[f"tree (K = {args.fixed_k})"] = SpecConfig(
             enabled=False,
             tree=TreeConfig(
                 enabled=True, online=args.online, adaptive=False, max_draft_tokens=args.fixed_k
             ),
-        ),
-    }
+        )
     stages = {
         name: SpeculativeStage(
             trainer.run.rollouts.engine, trainer.run.rollouts.stage.sampling, R, spec
@@ -75,7 +76,9 @@ def main() -> None:
     histories: dict[str, list[dict[str, float]]] = {name: [] for name in arms}
     tokens: dict[str, list] = {}
     for round_ in range(args.rounds):
-        for name, stage in stages.items():  # interleaved: every arm sees the same machine state
+        # interleaved, every other round in reverse: every arm sees the same machine state
+        order = list(stages.items())
+        for name, stage in order if round_ % 2 == 0 else order[::-1]:
             start = time.perf_counter()
             rollouts, stats = stage(prompts, n, ("bench", round_), round_)
             metrics = {**stats.metrics(), "rollout_s": time.perf_counter() - start}
