@@ -2,10 +2,12 @@
 
 The built-in policy rolls out the same prompts (32 × 8 slots, the quickstart's sampling) for
 several rounds, once per arm, in turns (every other round in reverse order): vanilla, tree drafts
-with the adaptive width, and tree drafts with a fixed width K, both with online trees. Round 0 has only the trees of finished sibling slots;
-later rounds also have the earlier rounds' responses. Every arm samples the same tokens (drafts
-never change them); only time and forwards differ. Writes OUT/tree_decode.json and
-OUT/tree_decode.png.
+with the adaptive width, and tree drafts with a fixed width K, both with online trees. Round 0
+has only the trees of finished sibling slots; later rounds also have the earlier rounds'
+responses. Every arm samples the same tokens in exact arithmetic (drafts never change them; on a
+real model in float32 a wider forward can flip a near-tie, docs/speculative.md, and
+`identical_rollouts` says whether one did); only time and forwards differ. Writes
+OUT/tree_decode.json and OUT/tree_decode.png.
 
     python benchmarks/tree_decode.py --out benchmarks/cpu-hf-tree-decode [KEY=VALUE ...]
 

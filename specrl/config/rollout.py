@@ -176,10 +176,10 @@ class RolloutConfig(Section):
     )
     static_decode: bool = Field(
         False,
-        description="hf: plain decode forwards over a preallocated KV cache at bucketed batch "
-        "sizes, on CUDA replayed as CUDA graphs (the same tokens; 5x faster plain forwards on an "
-        "H200, but speculative rollouts there were slower than vanilla's: "
-        "benchmarks/gpu-h200-hf-static-decode)",
+        description="hf: decode forwards (drafts included) over a preallocated KV cache at "
+        "bucketed batch sizes and fed widths, on CUDA replayed as CUDA graphs (the same tokens; "
+        "5x faster plain forwards on an H200, but trie reuse steps there were 0.77-0.80x "
+        "vanilla's before the tails' drafts ran as graphs: benchmarks/gpu-h200-hf-trie-hindsight)",
     )
     spec: SpecConfig = Field(default_factory=SpecConfig)
     multi_turn: MultiTurnConfig = Field(default_factory=MultiTurnConfig)
