@@ -1,15 +1,16 @@
 #!/usr/bin/env bash
 # One lent GPU's checks of the static-shape decode path, in one call of the device tool (under
-# 10 minutes): the tests marked gpu (CUDA graphs against the eager loop), then benchmarks/gpu/run.sh
-# with arms vanilla and trie on the default 25M policy with rollout.static_decode (CUDA graphs),
-# without it (eager), and on the 268M policy with it. PARTS picks the parts, in order (default
-# "graphs-25m eager-25m graphs-268m"); profile-graphs-25m profiles a plain and a reuse step of
-# each arm with graphs (benchmarks/profile_steps.py; the bench after it is cut off). ARMS sets
-# every part's arms (default "vanilla,trie"; the profile's arms after a vanilla bench);
-# GPU_TESTS=0 skips the tests. Each part
-# has its own time limit, so one that fails or runs long leaves the others; what comes back is
-# OUT's logs and one tarball of the benches (bench.json, bench.png, metrics, profiles and logs;
-# no weights or checkpoints).
+# 10 minutes): the tests marked gpu (CUDA graphs against the eager loop, with and without
+# drafts), then benchmarks/gpu/run.sh with rollout.static_decode (CUDA graphs) on the default 25M
+# policy, arms vanilla, trie and tree (the trie arm's tails and the tree arm decode with tree
+# drafts, as graphs since c54416f), and on the 268M policy, arms vanilla and trie. PARTS picks
+# the parts, in order (default "graphs-25m graphs-268m"); eager-25m runs the 25M arms vanilla and
+# trie without graphs; profile-graphs-25m profiles a plain and a reuse step of each arm with
+# graphs (benchmarks/profile_steps.py; the bench after it is cut off). ARMS sets every part's
+# arms (the profile's, after a vanilla bench); GPU_TESTS=0 skips the tests. Each part has its own
+# time limit, so one that fails or runs long leaves the others; what comes back is OUT's logs and
+# one tarball of the benches (bench.json, bench.png, metrics, profiles and logs; no weights or
+# checkpoints).
 #
 #   benchmarks/gpu/session.sh [--dry-run] [OUT]      (OUT: default benchmarks/gpu/out, or $OUT)
 #
@@ -43,9 +44,9 @@ part() {  # part NAME SECONDS VAR=VALUE...: run.sh into $work/NAME, its output i
     benchmarks/gpu/run.sh "${dry[@]}" "$work/$name" 2>&1 | tee "$out/$name.log"
   echo "$name: exit ${PIPESTATUS[0]}" | tee -a "$out/parts.txt"
 }
-for name in ${PARTS:-graphs-25m eager-25m graphs-268m}; do
+for name in ${PARTS:-graphs-25m graphs-268m}; do
   case $name in
-    graphs-25m) part "$name" 220 STATIC_DECODE=1 STEPS=12 TRAIN_SIZE=128 ARMS=${ARMS:-vanilla,trie} ;;
+    graphs-25m) part "$name" 220 STATIC_DECODE=1 STEPS=12 TRAIN_SIZE=128 ARMS=${ARMS:-vanilla,trie,tree} ;;
     eager-25m) part "$name" 110 STEPS=12 TRAIN_SIZE=128 ARMS=${ARMS:-vanilla,trie} ;;
     graphs-268m) part "$name" 200 STATIC_DECODE=1 HIDDEN=1024 LAYERS=16 HEADS=16 SFT_STEPS=400 \
       SFT_LR=5e-4 STEPS=8 TRAIN_SIZE=64 ARMS=${ARMS:-vanilla,trie} ;;

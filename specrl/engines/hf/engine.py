@@ -63,7 +63,7 @@ class HFEngine:
         self.pad_token_id = pad_token_id
         self.max_batch_size = max_batch_size
         self.counts = ForwardCounts()
-        # plain decoding at static shapes, on CUDA as CUDA graphs (static_decode.py)
+        # decoding at static shapes, drafts included, on CUDA as CUDA graphs (static_decode.py)
         self.static = StaticDecode(model, pad_token_id, self.counts) if static_decode else None
 
     @classmethod
@@ -82,7 +82,7 @@ class HFEngine:
 
     @property
     def capabilities(self) -> Capabilities:
-        """With static decoding on CUDA, plain decode forwards are graph replays."""
+        """With static decoding on CUDA, decode forwards are graph replays."""
         graphs = self.static is not None and self.device.type == "cuda"
         return replace(self.eager_capabilities, graph_decoding=graphs)
 
