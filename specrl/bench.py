@@ -311,12 +311,13 @@ def _check_cost_model(
     cfg: Config, runs: dict[str, list[list[dict[str, float]]]], shape: ModelShape, model_dir: Path
 ) -> dict[str, Any]:
     """The cost model on this machine: constants from timed forwards of a transformers engine
-    on the bench's policy (the arms' threads and device), every arm's seconds in forwards
+    on the bench's policy (the arms' threads and device, decoding as they did: at static shapes,
+    as CUDA graphs on CUDA, with `rollout.static_decode`), every arm's seconds in forwards
     predicted from its steps."""
     policy, tokenizer = load_policy(model_dir, cfg.model.dtype)
     engine = HFEngine(
         policy.eval().to(trainer_device(cfg)), eos_token_ids(policy, tokenizer),
-        tokenizer.pad_token_id, cfg.rollout.max_batch_size,
+        tokenizer.pad_token_id, cfg.rollout.max_batch_size, cfg.rollout.static_decode,
     )  # fmt: skip
     steps = {
         arm: [s for h in histories for s in recorded_steps(h)] for arm, histories in runs.items()

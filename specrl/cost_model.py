@@ -122,7 +122,9 @@ class ModelShape:
 class Device:
     """A device as the cost model sees it. `compute_efficiency` and `memory_efficiency` are the
     fractions of peak an inference engine reaches; `overhead_s` what a forward costs besides
-    (scheduling, launches). On a GPU compute and memory traffic overlap (a forward takes the
+    (scheduling, launches), and `decode_overhead_s` what a decode forward does where that
+    differs (an engine that replays decode forwards as CUDA graphs and runs its other forwards
+    eagerly; None: the same). On a GPU compute and memory traffic overlap (a forward takes the
     larger); on a CPU they add up (`overlap=False`)."""
 
     name: str
@@ -133,6 +135,7 @@ class Device:
     memory_efficiency: float = 0.8
     source: str = ""
     overlap: bool = True
+    decode_overhead_s: float | None = None
 
     @classmethod
     def named(cls, spec: str) -> Device:
@@ -157,10 +160,14 @@ class Device:
                 "bandwidth=3.35e12,overhead_ms=2"
             ) from None
 
-    def forward_s(self, flops: float, memory_bytes: float) -> float:
+    def forward_s(self, flops: float, memory_bytes: float, kind: str = "decode") -> float:
+        """The seconds of one forward of `kind` (accounting's KINDS)."""
         compute = flops / (self.peak_flops * self.compute_efficiency)
         memory = memory_bytes / (self.bandwidth * self.memory_efficiency)
-        return self.overhead_s + (max(compute, memory) if self.overlap else compute + memory)
+        overhead = self.overhead_s
+        if kind == "decode" and self.decode_overhead_s is not None:
+            overhead = self.decode_overhead_s
+        return overhead + (max(compute, memory) if self.overlap else compute + memory)
 
 
 _OVERHEAD = (
@@ -193,7 +200,8 @@ def step_seconds(counts: ForwardCounts, model: ModelShape, device: Device) -> fl
             total += flops / (device.peak_flops * device.compute_efficiency)
             continue
         kv = model.kv_bytes_per_token * getattr(counts, f"{kind}_kv_reads")
-        total += forwards * device.forward_s(flops / forwards, model.weight_bytes + kv / forwards)
+        memory = model.weight_bytes + kv / forwards
+        total += forwards * device.forward_s(flops / forwards, memory, kind)
     return total
 
 
@@ -217,27 +225,37 @@ def stretched(counts: ForwardCounts, factor: float) -> ForwardCounts:
 
 
 def fit_device(
-    calls: Iterable[tuple[ForwardCounts, float]], model: ModelShape, name: str
+    calls: Iterable[tuple[ForwardCounts, float]],
+    model: ModelShape,
+    name: str,
+    graph_decoding: bool = False,
 ) -> Device:
     """This machine as a `Device`, from timed calls (counts, seconds) of varied sizes: least
     squares of seconds = overhead · forwards + FLOPs / throughput + bytes / bandwidth, the
-    bytes those of the weights and of the KV entries read (a CPU: compute and memory add up)."""
+    bytes those of the weights and of the KV entries read (a CPU: compute and memory add up).
+    With `graph_decoding` (the engine replays its decode forwards as CUDA graphs) decode
+    forwards get an overhead of their own."""
     features, seconds = [], []
     for counts, measured in calls:
-        forwards = sum(getattr(counts, f"{kind}_forwards") for kind in KINDS)
+        forwards = [getattr(counts, f"{kind}_forwards") for kind in KINDS]
         flops = sum(
             model.flops_per_position * getattr(counts, f"{kind}_positions")
             + model.flops_per_pair * getattr(counts, f"{kind}_attended")
             for kind in KINDS
         )
         kv = sum(getattr(counts, f"{kind}_kv_reads") for kind in KINDS)
-        features.append(
-            [forwards, flops, model.weight_bytes * forwards + model.kv_bytes_per_token * kv]
-        )
+        decode = counts.decode_forwards
+        per_forward = [decode, sum(forwards) - decode] if graph_decoding else [sum(forwards)]
+        memory = model.weight_bytes * sum(forwards) + model.kv_bytes_per_token * kv
+        features.append([*per_forward, flops, memory])
         seconds.append(measured)
-    (overhead, per_flop, per_byte), *_ = np.linalg.lstsq(np.array(features, float), seconds, None)
+    a = np.array(features, float)
+    scale = np.linalg.norm(a, axis=0)  # columns of forwards, FLOPs and bytes: 1 to 1e12
+    scale[scale == 0] = 1.0
+    fit = np.linalg.lstsq(a / scale, seconds, None)[0] / scale
+    *overheads, per_flop, per_byte = (float(c) for c in fit)
     return Device(
-        name, 1 / max(float(per_flop), 1e-18), 1 / max(float(per_byte), 1e-18),
-        max(float(overhead), 0.0), 1.0, 1.0,
-        source="fitted to timed calls of the engine on this machine", overlap=False,
+        name, 1 / max(per_flop, 1e-18), 1 / max(per_byte, 1e-18), max(overheads[-1], 0.0),
+        1.0, 1.0, source="fitted to timed calls of the engine on this machine", overlap=False,
+        decode_overhead_s=max(overheads[0], 0.0) if graph_decoding else None,
     )  # fmt: skip

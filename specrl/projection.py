@@ -48,7 +48,8 @@ def recorded_steps(history: list[dict[str, float]]) -> Steps:
 def calibrate(engine: HFEngine, shape: ModelShape, seed: int = 0) -> Device:
     """This machine as a `Device`: the engine's generate, scoring and trie calls at varied
     batch sizes and lengths (decodes as long as a bench's: the KV cache grows), their forwards
-    counted and timed, fitted by `fit_device`."""
+    counted and timed, fitted by `fit_device` (decode forwards with an overhead of their own
+    where the engine replays them as CUDA graphs)."""
     rng = np.random.default_rng(seed)
     vocab = shape.vocab
 
@@ -88,7 +89,7 @@ def calibrate(engine: HFEngine, shape: ModelShape, seed: int = 0) -> Device:
             runs.append(engine.counts - before)
         counts = min(runs, key=lambda c: c.seconds)
         timed.append((counts.as_computed(), counts.seconds))
-    return fit_device(timed, shape, "this machine")
+    return fit_device(timed, shape, "this machine", engine.capabilities.graph_decoding)
 
 
 def machine_check(arms: dict[str, Steps], shape: ModelShape, device: Device) -> dict[str, Any]:
@@ -99,6 +100,11 @@ def machine_check(arms: dict[str, Steps], shape: ModelShape, device: Device) -> 
     out: dict[str, Any] = {
         "calibrated_on": "timed forwards of engine calls of varied sizes (no bench step)",
         "overhead_ms_per_forward": device.overhead_s * 1e3,
+        **(
+            {"overhead_ms_per_graph_decode_forward": device.decode_overhead_s * 1e3}
+            if device.decode_overhead_s is not None
+            else {}
+        ),
         "gflops_per_s": device.peak_flops / 1e9,
         "gbytes_per_s": device.bandwidth / 1e9,
         "tolerance": CHECK_TOLERANCE,

@@ -84,6 +84,36 @@ def test_the_fit_recovers_a_machines_constants():
     assert not fitted.overlap  # a CPU: compute and memory time add up
 
 
+def test_graph_decode_forwards_get_an_overhead_of_their_own():
+    """An engine that replays decode forwards as CUDA graphs and runs its prefills, scoring and
+    trie passes eagerly: one overhead per forward cannot fit both (the H200's graph bench
+    predicted decode forwards at 2.7-5.7x what they took); with `graph_decoding` the fit
+    recovers each, and a step is priced with each."""
+    shape = ModelShape.from_config(
+        "small",
+        {"num_hidden_layers": 8, "hidden_size": 512, "intermediate_size": 1408,
+         "num_attention_heads": 8, "vocab_size": 2048},
+    )  # fmt: skip
+    machine = Device("gpu", 1e13, 1e12, 9e-3, 1.0, 1.0, overlap=False, decode_overhead_s=1.5e-3)
+    calls = []
+    for forwards, positions, kv, scored in [
+        (50, 400, 9e3, 0), (80, 300, 2e5, 1), (20, 900, 5e4, 3), (65, 650, 1, 2), (30, 90, 40, 5),
+    ]:  # fmt: skip
+        counts = ForwardCounts()
+        counts.record("decode", positions, positions, kv, kv, forwards=forwards)
+        counts.record("verify", 8, 64 * scored, 64 * scored, 2080 * scored, forwards=scored)
+        calls.append((counts, step_seconds(counts, shape, machine)))
+    fitted = fit_device(calls, shape, "gpu", graph_decoding=True)
+    assert fitted.decode_overhead_s == pytest.approx(1.5e-3, rel=1e-6)
+    assert fitted.overhead_s == pytest.approx(9e-3, rel=1e-6)
+    assert fitted.peak_flops == pytest.approx(1e13, rel=1e-4)
+    one = fit_device(calls, shape, "gpu")  # a single overhead: decode forwards mispriced
+    assert one.decode_overhead_s is None
+    counts = calls[0][0]
+    assert step_seconds(counts, shape, fitted) == pytest.approx(calls[0][1])
+    assert abs(step_seconds(counts, shape, one) / calls[0][1] - 1) > 0.05
+
+
 def test_stretched_responses_scale_decoding_and_keep_prefills():
     counts = ForwardCounts()
     counts.record("prefill", 8, 100, 100, 5050)
