@@ -44,6 +44,7 @@ class PromptTree:
         self.parent = [-1]
         self.depth = [0]
         self.count = [0]
+        self.continued = [0]  # of a node's responses, those that go on to a child
         self.children: list[dict[int, int]] = [{}]
         self.best = [-1]  # most frequent child
         self.by_token: dict[int, list[int]] = {}
@@ -54,6 +55,10 @@ class PromptTree:
     def nodes(self) -> int:
         return len(self.token) - 1
 
+    def snapshot(self) -> tuple[list[int], list[int]]:
+        """Every node's count and continued count as they stand now (`reachable` walks them)."""
+        return list(self.count), list(self.continued)
+
     def insert(self, tokens: Sequence[int], times: int = 1) -> None:
         """Add a response, `times` times (slots that hold the same response)."""
         tokens = tuple(map(int, tokens))
@@ -62,10 +67,11 @@ class PromptTree:
         self.version += 1
 
     def _add(self, tokens: tuple[int, ...], times: int = 1) -> None:
-        children, count, best = self.children, self.count, self.best
+        children, count, continued, best = self.children, self.count, self.continued, self.best
         node = ROOT
         count[ROOT] += times
         for t in tokens:
+            continued[node] += times
             child = children[node].get(t)
             if child is None:
                 child = len(self.token)
@@ -73,6 +79,7 @@ class PromptTree:
                 self.parent.append(node)
                 self.depth.append(self.depth[node] + 1)
                 count.append(0)
+                continued.append(0)
                 children.append({})
                 best.append(-1)
                 children[node][t] = child

@@ -190,12 +190,14 @@ def test_where_a_response_lands_in_its_trie_as_the_step_found_it():
     """A walk of the whole trie in hindsight: the response's leading tokens on a path of the
     nodes that existed (ids below len(count)), and the moves the counts then predicted."""
     tree = trie_of([*RESPONSES, [3]])  # [3] stopped at its length: 1 of [3]'s 5 went no further
-    count = list(tree.count)
-    assert reachable(tree, count, [3, 4, 5, EOS]) == (4, 1.0 + 4 / 5 + 1.0 + 1.0)
-    assert reachable(tree, count, [3, 8, 1]) == (2, 1.0 + 4 / 5)  # [3, 8] has no children
-    assert reachable(tree, count, [7, 3]) == (0, 1.0)
+    seen = tree.snapshot()
+    assert reachable(tree, seen, [3, 4, 5, EOS]) == (4, 1.0 + 4 / 5 + 1.0 + 1.0)
+    assert reachable(tree, seen, [3, 8, 1]) == (2, 1.0 + 4 / 5)  # [3, 8] has no children
+    assert reachable(tree, seen, [7, 3]) == (0, 1.0)
     tree.insert([3, 4, 5, 7, 7])  # a response of this step (online trees): not in the history
-    assert reachable(tree, count, [3, 4, 5, 7, 7]) == (3, 1.0 + 4 / 5 + 1.0 + 1.0)
+    tree.insert([3])  # and one that ends where history went on
+    assert reachable(tree, seen, [3, 4, 5, 7, 7]) == (3, 1.0 + 4 / 5 + 1.0 + 1.0)
+    assert reachable(tree, seen, [3, 4, 5, EOS]) == (4, 1.0 + 4 / 5 + 1.0 + 1.0)
 
 
 def test_a_reused_token_is_priced_by_the_decode_forwards_its_reuse_removes():

@@ -45,7 +45,8 @@ class TrieReuse(Reuse):
         self.tree = tree
         self.sampling = sampling
         self.budget = budget
-        self._counts: dict[str, list[int]] = {}  # the counts of this call's tries, by prompt id
+        # this call's tries as they stood before it (`PromptTree.snapshot`), by prompt id
+        self._counts: dict[str, tuple[list[int], list[int]]] = {}
 
     def before_decoding(
         self, slots: list[Slot], seed_key: tuple, prefixes: Prefixes | None, stats: RolloutStats
@@ -64,7 +65,7 @@ class TrieReuse(Reuse):
         # each walker's trie as it stands now: where its response lands in it tells, after
         # decoding, what a walk of the whole trie would have reused (`reachable`)
         self._counts = {
-            slots[i].prompt.prompt_id: list(self.tree.get(slots[i].prompt.prompt_id).count)
+            slots[i].prompt.prompt_id: self.tree.get(slots[i].prompt.prompt_id).snapshot()
             for i in walkers
         }
         if not walkers:
@@ -120,11 +121,11 @@ class TrieReuse(Reuse):
             lengths, reusable, predicted = [], [], 0.0
             for i, s in enumerate(slots):
                 response = [*s.kept, *(results[i].token_ids if i in results else ())]
-                count = self._counts.get(s.prompt.prompt_id) if s.may_reuse else None
+                seen = self._counts.get(s.prompt.prompt_id) if s.may_reuse else None
                 reached, moves = (
                     (0, 0.0)
-                    if count is None
-                    else reachable(self.tree.get(s.prompt.prompt_id), count, response)
+                    if seen is None
+                    else reachable(self.tree.get(s.prompt.prompt_id), seen, response)
                 )
                 lengths.append(len(response))
                 reusable.append(reached)
@@ -195,16 +196,19 @@ def walk_trie(
     return walks
 
 
-def reachable(tree: PromptTree, count: Sequence[int], response: Sequence[int]) -> tuple[int, float]:
+def reachable(
+    tree: PromptTree, seen: tuple[list[int], list[int]], response: Sequence[int]
+) -> tuple[int, float]:
     """How many leading tokens of `response` are a path of the trie as it stood when the step
-    began (its first len(count) nodes, with those counts), and the moves the counts predicted
-    along it (Σ over the nodes passed that had children of the share of their earlier responses
-    that went on to one). With every node verified a walk reuses exactly those tokens: the
-    response is what the walk and decoding drew, so this is a walk of the whole trie in
-    hindsight, whatever the budget verified."""
+    began (`seen`: its `snapshot` then, the nodes that existed with their counts), and the moves
+    the counts predicted along it (Σ over the nodes passed that had children of the share of
+    their earlier responses that went on to one). With every node verified a walk reuses exactly
+    those tokens: the response is what the walk and decoding drew, so this is a walk of the
+    whole trie in hindsight, whatever the budget verified."""
+    count, continued = seen
     node, predicted, size = ROOT, 0.0, len(count)
     for depth, token in enumerate(response):
-        went_on = sum(count[c] for c in tree.children[node].values() if c < size)
+        went_on = continued[node]
         if not went_on:
             return depth, predicted
         predicted += went_on / count[node]
