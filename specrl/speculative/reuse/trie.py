@@ -181,8 +181,10 @@ def walk_trie(
         while len(tokens) < budget:
             children = kids[at]
             target = slot_uniforms[len(tokens)] * total[at]
-            step = next(((t, c) for t, c in children if low[c] < target <= high[c]), None)
-            if step is None:
+            for step in children:  # (token, row)
+                if low[step[1]] < target <= high[step[1]]:
+                    break
+            else:
                 finish = None
                 excluded = () if trie.coupled else tuple(t for t, _ in children)
                 break
