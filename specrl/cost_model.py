@@ -160,7 +160,7 @@ class Device:
                 "bandwidth=3.35e12,overhead_ms=2"
             ) from None
 
-    def forward_s(self, flops: float, memory_bytes: float, kind: str = "decode") -> float:
+    def forward_s(self, flops: float, memory_bytes: float, kind: str) -> float:
         """The seconds of one forward of `kind` (accounting's KINDS)."""
         compute = flops / (self.peak_flops * self.compute_efficiency)
         memory = memory_bytes / (self.bandwidth * self.memory_efficiency)

@@ -48,8 +48,7 @@ class DecodeCache(DynamicCache):
         """Drop KV columns no row attends to (rejected drafts; `attention` [B, W]): every row's
         attended columns move to the right end in order, the cache narrows to the longest row.
         → the new attention mask [B, W']."""
-        width = int(attention.sum(1).max())
-        columns = attention.sort(dim=1, stable=True).indices[:, attention.shape[1] - width :]
+        columns = attended_columns(attention)
         for layer in self.layers:
             layer.keep_columns(columns)
         return attention.gather(1, columns)
@@ -138,6 +137,13 @@ class _GrowingLayer(DynamicLayer):
             and self.values is self.views[1]
             and end <= self.buffers[0].shape[2]
         )
+
+
+def attended_columns(attention: torch.Tensor) -> torch.Tensor:
+    """Of each row (`attention` [B, W]), the columns it attends to, in order, left-padded with
+    columns it does not to the most any row attends to: [B, W']."""
+    width = int(attention.sum(1).max())
+    return attention.sort(dim=1, stable=True).indices[:, attention.shape[1] - width :]
 
 
 def _grown(cached: torch.Tensor, new: torch.Tensor, spare: int) -> torch.Tensor:

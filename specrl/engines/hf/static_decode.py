@@ -43,7 +43,7 @@ from transformers import DynamicCache, PreTrainedModel
 from transformers.cache_utils import DynamicLayer
 
 from specrl.engines.accounting import ForwardCounts
-from specrl.engines.hf.kv_cache import DecodeCache, layers_kv
+from specrl.engines.hf.kv_cache import DecodeCache, attended_columns, layers_kv
 from specrl.models import planless_attention
 
 COLUMN_BUCKET = 64
@@ -66,6 +66,7 @@ class Arena:
         self.positions = torch.zeros(rows, width, dtype=torch.long, device=self.device)
         self.bias = first.new_zeros(rows, 1, width, columns)
         self.fed = torch.zeros(width, dtype=torch.long, device=self.device)  # the fed columns
+        self.steps = torch.arange(max(width, columns), device=self.device)  # 0, 1, 2, ...
         self.cache = StaticKV(self)
         # (rows, fed width) → the captured graph and its logits
         self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
@@ -152,13 +153,11 @@ class StaticKV(DecodeCache):
     def compact(self, attention: torch.Tensor) -> torch.Tensor:
         """Every live row's attended columns (`attention` [B, W]) move to the right end of the
         first W' columns in order, W' the most a row attends to: → the new mask [B, W']."""
-        rows = len(attention)
-        width = int(attention.sum(1).max())
-        columns = attention.sort(dim=1, stable=True).indices[:, attention.shape[1] - width :]
+        columns = attended_columns(attention)
         for buffer in self.arena.kv:
-            live = buffer[:rows]
+            live = buffer[: len(attention)]
             index = columns[:, None, :, None].expand(-1, live.shape[1], -1, live.shape[3])
-            live[:, :, :width] = live.gather(2, index)
+            live[:, :, : columns.shape[1]] = live.gather(2, index)
         return attention.gather(1, columns)
 
 
@@ -242,13 +241,13 @@ class StaticDecode:
         arena.positions[live:rows, :width] = 0
         bias = arena.bias[:rows, 0, :width]  # [rows, width, columns]
         bias.fill_(torch.finfo(bias.dtype).min)
-        columns = torch.arange(attention.shape[1], device=attention.device)
-        causal = columns[None] <= context + torch.arange(fed, device=attention.device)[:, None]
+        steps = arena.steps
+        causal = steps[None, : attention.shape[1]] <= context + steps[:fed, None]
         allowed = attention.bool()[:, None, :] & causal[None]  # [B, K+1, W]
         bias[:live, :fed, : attention.shape[1]].masked_fill_(allowed, 0.0)
         bias[:live, fed:width] = bias[:live, fed - 1 : fed]  # padding attends as the last fed
         bias[live:, :, 0] = 0.0  # idle rows attend to one column: no row is all masked
-        arena.fed.copy_(context + torch.arange(arena.width, device=arena.fed.device))
+        torch.add(steps[: arena.width], context, out=arena.fed)
         logits = arena.logits(self.model, rows, width)[:live, :fed]
         if logits.is_cuda:
             torch.cuda.synchronize(logits.device)

@@ -46,7 +46,7 @@ class TrieReuse(Reuse):
         self.sampling = sampling
         self.budget = budget
         # this call's tries as they stood before it (`PromptTree.snapshot`), by prompt id
-        self._counts: dict[str, tuple[list[int], list[int]]] = {}
+        self._snapshots: dict[str, tuple[list[int], list[int]]] = {}
 
     def before_decoding(
         self, slots: list[Slot], seed_key: tuple, prefixes: Prefixes | None, stats: RolloutStats
@@ -64,7 +64,7 @@ class TrieReuse(Reuse):
         ]
         # each walker's trie as it stands now: where its response lands in it tells, after
         # decoding, what a walk of the whole trie would have reused (`reachable`)
-        self._counts = {
+        self._snapshots = {
             slots[i].prompt.prompt_id: self.tree.get(slots[i].prompt.prompt_id).snapshot()
             for i in walkers
         }
@@ -117,11 +117,11 @@ class TrieReuse(Reuse):
         (ρ) and on how much of the decode loop reuse removes, whatever it verified."""
         self.budget.observe_decode(stats.gen_s, sum(len(r.token_ids) for r in results.values()))
         self.budget.observe_prefill(self.engine.counts)
-        if self._counts:
+        if self._snapshots:
             lengths, reusable, predicted = [], [], 0.0
             for i, s in enumerate(slots):
                 response = [*s.kept, *(results[i].token_ids if i in results else ())]
-                seen = self._counts.get(s.prompt.prompt_id) if s.may_reuse else None
+                seen = self._snapshots.get(s.prompt.prompt_id) if s.may_reuse else None
                 reached, moves = (
                     (0, 0.0)
                     if seen is None
