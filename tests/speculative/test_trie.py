@@ -77,6 +77,26 @@ def test_a_trie_pass_scores_every_node_as_scoring_its_path_does(sampling):
         assert (scores.high[1:] <= scores.total[np.asarray(tree.parent[1:])] + 1e-9).all()
 
 
+@pytest.mark.parametrize("sampling", SAMPLINGS.values(), ids=SAMPLINGS.keys())
+def test_a_trie_pass_computes_only_the_distributions_walks_read_bit_for_bit(sampling):
+    """Without a prefix cache that keeps them, a pass computes the distributions after the root
+    and after the nodes with a child only: the same intervals, to the bit, as from all of them;
+    a leaf's total is NaN (no walk reads it)."""
+    engine = HFEngine(make_tiny_model(init=0.3), [EOS], PAD)
+    tree = trie_of(RESPONSES)
+    requests = [TrieRequest(p, tree.parent[1:], tree.token[1:], sampling) for p in ([2, 5], [6])]
+    prefixes = engine.new_prefixes()
+    every = engine.verify_tries(requests, prefixes)
+    assert prefixes.distributions[0] is not None  # a vocabulary of 12: all of them kept
+    parents = set(tree.parent[1:])
+    leaves = [v for v in range(tree.nodes + 1) if v not in parents]
+    for read, full in zip(engine.verify_tries(requests), every, strict=True):
+        for name in ("logprobs", "low", "high"):
+            np.testing.assert_array_equal(getattr(read, name), getattr(full, name))
+        assert np.isnan(read.total[leaves]).all() and not np.isnan(full.total).any()
+        np.testing.assert_array_equal(np.delete(read.total, leaves), np.delete(full.total, leaves))
+
+
 def test_decoding_that_leaves_a_trie_continues_from_the_nodes_kv():
     engine = HFEngine(make_tiny_model(init=0.3), [EOS], PAD)
     tree = trie_of(RESPONSES)

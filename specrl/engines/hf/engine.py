@@ -203,17 +203,23 @@ class HFEngine:
             "verify", len(requests), int(real.sum()), int(real.sum()), pairs,
             computed=padded_counts(attention),
         )  # fmt: skip
+        kv = layers_kv(cache) if prefixes is not None else []
+        # the prefix cache keeps every node's distribution (decoding's first token after any
+        # node) when they take no more memory than the KV; otherwise only the distributions the
+        # walks read are computed: after the root and after each node with a child
+        keep_all = bool(kv) and logits.numel() * 4 <= _nbytes(kv)
         out, kept = [], []
         for row, r in zip(logits, requests, strict=True):
             nodes = len(r.tokens)
-            rows = RowSampling.of([r.sampling], self.device).repeat(nodes + 1)
-            distributions = sampling_logprobs(row[most - nodes :], rows)  # [N + 1, V]
+            read = None if keep_all else sorted({0, *r.parents})
+            at = row[most - nodes :] if read is None else row[most - nodes :][read]
+            rows = RowSampling.of([r.sampling], self.device).repeat(len(at))
+            distributions = sampling_logprobs(at, rows)  # [N + 1, V], or [len(read), V]
             kept.append(distributions)
-            out.append(trie_logprobs(distributions, r.parents, r.tokens))
+            out.append(trie_logprobs(distributions, r.parents, r.tokens, read))
         if prefixes is not None:
-            kv = layers_kv(cache)
-            dists = torch.nn.utils.rnn.pad_sequence(kept, batch_first=True)  # [B, N + 1, V]
-            keep = dists if _nbytes([dists]) <= _nbytes(kv) else None
+            # [B, N + 1, V]
+            keep = torch.nn.utils.rnn.pad_sequence(kept, batch_first=True) if keep_all else None
             tries = [(r.prompt_ids, r.parents, r.tokens) for r in requests]
             prefixes.add_tries(tries, kv, attention, keep, [r.sampling for r in requests])
         return out
@@ -344,17 +350,27 @@ def tree_inputs(
 
 
 def trie_logprobs(
-    distributions: torch.Tensor, parents: Sequence[int], tokens: Sequence[int]
+    distributions: torch.Tensor,
+    parents: Sequence[int],
+    tokens: Sequence[int],
+    read: Sequence[int] | None = None,
 ) -> TrieLogprobs:
     """The sampler's view of a trie from the distribution after each node (root first)
-    [N + 1, V], with the arithmetic of `sample_from_logprobs`."""
-    cdf = distributions.double().exp().cumsum(-1).cpu()  # [N + 1, V]
-    parent = torch.tensor([0, *parents])
+    [N + 1, V], or after the nodes `read` only (ascending, the root and every parent among
+    them), with the arithmetic of `sample_from_logprobs`. A node without a child has no
+    interval to walk into: its total is NaN where its distribution was not read."""
+    cdf = distributions.double().exp().cumsum(-1).cpu()  # one row per distribution
+    where = torch.arange(len(tokens) + 1)
+    total = torch.full((len(tokens) + 1,), float("nan"), dtype=torch.float64)
+    if read is not None:
+        where[read] = torch.arange(len(read))
+    total[read if read is not None else slice(None)] = cdf[:, -1]
+    parent = where[torch.tensor([0, *parents])]
     token = torch.tensor([0, *tokens])
     high = cdf[parent, token]
     low = torch.where(token > 0, cdf[parent, (token - 1).clamp(min=0)], 0.0)
     logprobs = distributions.cpu()[parent, token]
-    return TrieLogprobs(logprobs.numpy(), low.numpy(), high.numpy(), cdf[:, -1].numpy())
+    return TrieLogprobs(logprobs.numpy(), low.numpy(), high.numpy(), total.numpy())
 
 
 def _nbytes(tensors: list[torch.Tensor]) -> int:
