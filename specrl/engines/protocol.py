@@ -129,7 +129,7 @@ class TrieLogprobs:
     logprobs: np.ndarray  # [N + 1] sampling logprob of node i's token after its parent
     low: np.ndarray  # [N + 1] float64
     high: np.ndarray  # [N + 1] float64
-    total: np.ndarray  # [N + 1] float64: the mass u is scaled by after node v
+    total: np.ndarray  # [N + 1] float64: the mass u is scaled by after node v (NaN: not read)
     coupled: bool = True
 
 

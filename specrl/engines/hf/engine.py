@@ -207,7 +207,7 @@ class HFEngine:
         # the prefix cache keeps every node's distribution (decoding's first token after any
         # node) when they take no more memory than the KV; otherwise only the distributions the
         # walks read are computed: after the root and after each node with a child
-        keep_all = bool(kv) and logits.numel() * 4 <= _nbytes(kv)
+        keep_all = bool(kv) and logits.numel() * torch.float32.itemsize <= _nbytes(kv)
         out, kept = [], []
         for row, r in zip(logits, requests, strict=True):
             nodes = len(r.tokens)
@@ -360,12 +360,12 @@ def trie_logprobs(
     them), with the arithmetic of `sample_from_logprobs`. A node without a child has no
     interval to walk into: its total is NaN where its distribution was not read."""
     cdf = distributions.double().exp().cumsum(-1).cpu()  # one row per distribution
-    where = torch.arange(len(tokens) + 1)
+    read = range(len(tokens) + 1) if read is None else read
+    row = torch.zeros(len(tokens) + 1, dtype=torch.long)  # each read node's row of `cdf`
+    row[read] = torch.arange(len(read))
     total = torch.full((len(tokens) + 1,), float("nan"), dtype=torch.float64)
-    if read is not None:
-        where[read] = torch.arange(len(read))
-    total[read if read is not None else slice(None)] = cdf[:, -1]
-    parent = where[torch.tensor([0, *parents])]
+    total[read] = cdf[:, -1]
+    parent = row[torch.tensor([0, *parents])]
     token = torch.tensor([0, *tokens])
     high = cdf[parent, token]
     low = torch.where(token > 0, cdf[parent, (token - 1).clamp(min=0)], 0.0)
