@@ -49,9 +49,10 @@ class RowSampling:
         tensors = (t[index] for t in (self.temperature, self.top_k, self.top_p))
         return RowSampling(*tensors, self.truncates, self.greedy)
 
-    def repeat(self, times: int) -> RowSampling:
-        """Each row `times` times in a row (one per fed column of a decode forward)."""
-        if times == 1:
+    def repeat(self, times: int | torch.Tensor) -> RowSampling:
+        """Each row `times` times in a row (one per fed column of a decode forward), or row i
+        times[i] times (`times` [B])."""
+        if isinstance(times, int) and times == 1:
             return self
         tensors = (t.repeat_interleave(times) for t in (self.temperature, self.top_k, self.top_p))
         return RowSampling(*tensors, self.truncates, self.greedy)
@@ -104,9 +105,15 @@ def _mix32(x: torch.Tensor) -> torch.Tensor:
     return (x >> 16) ^ x
 
 
+def sampling_cdf(logprobs: torch.Tensor) -> torch.Tensor:
+    """The float64 CDF the sampler draws from, one row per distribution: logprobs [B, V] →
+    [B, V] (its last column the row's total mass, 1 up to rounding)."""
+    return logprobs.double().exp().cumsum(-1)
+
+
 def sample_from_logprobs(logprobs: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
     """Inverse-CDF sampling: logprobs [B, V], uniform [B] → token ids [B]."""
-    cdf = logprobs.double().exp().cumsum(-1)  # [B, V]
+    cdf = sampling_cdf(logprobs)  # [B, V]
     target = (uniform * cdf[:, -1])[:, None]
     tokens = torch.searchsorted(cdf, target).squeeze(-1)
     return tokens.clamp_(max=logprobs.shape[-1] - 1)

@@ -86,11 +86,12 @@ class Decoder:
             )
             accepted = _accepted(sampled, fed, proposed)  # [B] draft tokens kept
             emitted, stopped = batch.emit(sampled, accepted, cols, eos)
+            drafted, kept = proposed.tolist(), accepted.tolist()
             for row, n, k, a, new, lps in zip(
                 batch.rows.tolist(),
                 emitted.tolist(),
-                proposed.tolist(),
-                accepted.tolist(),
+                drafted,
+                kept,
                 sampled.tolist(),
                 logprobs.tolist(),
                 strict=True,
@@ -110,8 +111,8 @@ class Decoder:
                     drafter.finished(indices[row], results[row].token_ids)
             if drafter is not None:
                 drafter.observe(
-                    proposed.tolist(),
-                    accepted.tolist(),
+                    drafted,
+                    kept,
                     len(proposed),
                     fed.numel(),
                     time.perf_counter() - started,

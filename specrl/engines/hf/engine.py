@@ -33,7 +33,7 @@ from specrl.engines.protocol import (
     TrieRequest,
     distinct_requests,
 )
-from specrl.engines.sampling import RowSampling, sampling_logprobs
+from specrl.engines.sampling import RowSampling, sampling_cdf, sampling_logprobs
 from specrl.models import planless_attention
 
 
@@ -208,18 +208,26 @@ class HFEngine:
         # node) when they take no more memory than the KV; otherwise only the distributions the
         # walks read are computed: after the root and after each node with a child
         keep_all = bool(kv) and logits.numel() * torch.float32.itemsize <= _nbytes(kv)
-        out, kept = [], []
-        for row, r in zip(logits, requests, strict=True):
-            nodes = len(r.tokens)
-            read = None if keep_all else sorted({0, *r.parents})
-            at = row[most - nodes :] if read is None else row[most - nodes :][read]
-            rows = RowSampling.of([r.sampling], self.device).repeat(len(at))
-            distributions = sampling_logprobs(at, rows)  # [N + 1, V], or [len(read), V]
-            kept.append(distributions)
-            out.append(trie_logprobs(distributions, r.parents, r.tokens, read))
+        reads = [
+            range(len(r.tokens) + 1) if keep_all else sorted({0, *r.parents}) for r in requests
+        ]
+        # trie b's node i has its logits at column most - N_b + i of row b
+        columns = [
+            b * (most + 1) + most - len(r.tokens) + i
+            for b, (r, read) in enumerate(zip(requests, reads, strict=True))
+            for i in read
+        ]
+        device = logits.device
+        at = logits.flatten(0, 1).index_select(0, torch.tensor(columns, device=device))
+        sizes = [len(read) for read in reads]
+        rows = RowSampling.of([r.sampling for r in requests], device)
+        # [R, V]: the read nodes' distributions, trie after trie
+        distributions = sampling_logprobs(at, rows.repeat(torch.tensor(sizes, device=device)))
+        out = trie_logprobs(distributions, [(r.parents, r.tokens) for r in requests], reads)
         if prefixes is not None:
-            # [B, N + 1, V]
-            keep = torch.nn.utils.rnn.pad_sequence(kept, batch_first=True) if keep_all else None
+            keep = None
+            if keep_all:  # [B, N + 1, V]
+                keep = torch.nn.utils.rnn.pad_sequence(distributions.split(sizes), batch_first=True)
             tries = [(r.prompt_ids, r.parents, r.tokens) for r in requests]
             prefixes.add_tries(tries, kv, attention, keep, [r.sampling for r in requests])
         return out
@@ -351,26 +359,44 @@ def tree_inputs(
 
 def trie_logprobs(
     distributions: torch.Tensor,
-    parents: Sequence[int],
-    tokens: Sequence[int],
-    read: Sequence[int] | None = None,
-) -> TrieLogprobs:
-    """The sampler's view of a trie from the distribution after each node (root first)
-    [N + 1, V], or after the nodes `read` only (ascending, the root and every parent among
-    them), with the arithmetic of `sample_from_logprobs`. A node without a child has no
-    interval to walk into: its total is NaN where its distribution was not read."""
-    cdf = distributions.double().exp().cumsum(-1).cpu()  # one row per distribution
-    read = range(len(tokens) + 1) if read is None else read
-    row = torch.zeros(len(tokens) + 1, dtype=torch.long)  # each read node's row of `cdf`
-    row[read] = torch.arange(len(read))
-    total = torch.full((len(tokens) + 1,), float("nan"), dtype=torch.float64)
-    total[read] = cdf[:, -1]
-    parent = row[torch.tensor([0, *parents])]
-    token = torch.tensor([0, *tokens])
-    high = cdf[parent, token]
-    low = torch.where(token > 0, cdf[parent, (token - 1).clamp(min=0)], 0.0)
-    logprobs = distributions.cpu()[parent, token]
-    return TrieLogprobs(logprobs.numpy(), low.numpy(), high.numpy(), total.numpy())
+    tries: Sequence[tuple[Sequence[int], Sequence[int]]],
+    reads: Sequence[Sequence[int]],
+) -> list[TrieLogprobs]:
+    """The sampler's view of a batch of (parents, tokens) tries, with the arithmetic of
+    `sample_from_logprobs`, from the distributions after the nodes each trie's walks read
+    (`reads[b]`: ascending, the root and every parent among them; all nodes, root first, when
+    every distribution was computed), trie after trie [R, V]. Each trie's CDF is computed where
+    the distributions are, only the intervals leave it, in one copy for the batch. A node without
+    a child has no interval to walk into: its total is NaN where its distribution was not read."""
+    nodes = [len(tokens) + 1 for _, tokens in tries]
+    parent_rows = []  # per trie, per node (root first): the row of its parent's distribution
+    for (parents, _), read in zip(tries, reads, strict=True):
+        row = np.zeros(len(parents) + 1, dtype=np.int64)
+        row[read] = np.arange(len(read))
+        parent_rows.append(row[[0, *parents]])
+    device = distributions.device
+    parent = torch.from_numpy(np.concatenate(parent_rows)).to(device)
+    token = torch.tensor([t for _, tokens in tries for t in (0, *tokens)], device=device)
+    parts = []
+    for rows, up, at in zip(
+        distributions.split([len(read) for read in reads]),
+        parent.split(nodes),
+        token.split(nodes),
+        strict=True,
+    ):
+        cdf = sampling_cdf(rows)  # one trie's at a time: [len(read), V] in float64
+        low = torch.where(at > 0, cdf[up, (at - 1).clamp(min=0)], 0.0)
+        parts += [rows[up, at].double(), low, cdf[up, at], cdf[:, -1]]
+    values = torch.cat(parts).cpu().numpy()
+    out, start = [], 0
+    for n, read in zip(nodes, reads, strict=True):
+        logprobs, low, high = (values[start + k * n : start + (k + 1) * n] for k in range(3))
+        start += 3 * n
+        total = np.full(n, np.nan)
+        total[read] = values[start : start + len(read)]
+        start += len(read)
+        out.append(TrieLogprobs(logprobs.astype(np.float32), low, high, total))
+    return out
 
 
 def _nbytes(tensors: list[torch.Tensor]) -> int:
