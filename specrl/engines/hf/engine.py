@@ -16,6 +16,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from torch.nn.utils.rnn import pad_sequence
 from transformers import AutoModelForCausalLM, DynamicCache, PreTrainedModel
 
 from specrl.engines.accounting import ForwardCounts
@@ -212,22 +213,17 @@ class HFEngine:
             range(len(r.tokens) + 1) if keep_all else sorted({0, *r.parents}) for r in requests
         ]
         # trie b's node i has its logits at column most - N_b + i of row b
-        columns = [
-            b * (most + 1) + most - len(r.tokens) + i
-            for b, (r, read) in enumerate(zip(requests, reads, strict=True))
-            for i in read
-        ]
+        starts = [b * (most + 1) + most - len(r.tokens) for b, r in enumerate(requests)]
+        columns = [start + i for start, read in zip(starts, reads, strict=True) for i in read]
         device = logits.device
         at = logits.flatten(0, 1).index_select(0, torch.tensor(columns, device=device))
         sizes = [len(read) for read in reads]
         rows = RowSampling.of([r.sampling for r in requests], device)
-        # [R, V]: the read nodes' distributions, trie after trie
+        # [R, V]: the read nodes' distributions, trie after trie (kept: padded to [B, N + 1, V])
         distributions = sampling_logprobs(at, rows.repeat(torch.tensor(sizes, device=device)))
         out = trie_logprobs(distributions, [(r.parents, r.tokens) for r in requests], reads)
         if prefixes is not None:
-            keep = None
-            if keep_all:  # [B, N + 1, V]
-                keep = torch.nn.utils.rnn.pad_sequence(distributions.split(sizes), batch_first=True)
+            keep = pad_sequence(distributions.split(sizes), batch_first=True) if keep_all else None
             tries = [(r.prompt_ids, r.parents, r.tokens) for r in requests]
             prefixes.add_tries(tries, kv, attention, keep, [r.sampling for r in requests])
         return out
@@ -362,12 +358,11 @@ def trie_logprobs(
     tries: Sequence[tuple[Sequence[int], Sequence[int]]],
     reads: Sequence[Sequence[int]],
 ) -> list[TrieLogprobs]:
-    """The sampler's view of a batch of (parents, tokens) tries, with the arithmetic of
-    `sample_from_logprobs`, from the distributions after the nodes each trie's walks read
-    (`reads[b]`: ascending, the root and every parent among them; all nodes, root first, when
-    every distribution was computed), trie after trie [R, V]. Each trie's CDF is computed where
-    the distributions are, only the intervals leave it, in one copy for the batch. A node without
-    a child has no interval to walk into: its total is NaN where its distribution was not read."""
+    """The sampler's view of a batch of (parents, tokens) tries (the arithmetic of
+    `sample_from_logprobs`) from the distributions after the nodes each trie's walks read, trie
+    after trie [R, V] (`reads[b]`: ascending, the root and every parent among them, or all nodes).
+    Each CDF is computed where the distributions are; the intervals leave it in one copy. A node
+    without a child has no interval to walk into: its total is NaN where it was not read."""
     nodes = [len(tokens) + 1 for _, tokens in tries]
     parent_rows = []  # per trie, per node (root first): the row of its parent's distribution
     for (parents, _), read in zip(tries, reads, strict=True):
