@@ -86,12 +86,12 @@ class Decoder:
             )
             accepted = _accepted(sampled, fed, proposed)  # [B] draft tokens kept
             emitted, stopped = batch.emit(sampled, accepted, cols, eos)
-            drafted, kept = proposed.tolist(), accepted.tolist()
+            n_proposed, n_accepted = proposed.tolist(), accepted.tolist()
             for row, n, k, a, new, lps in zip(
                 batch.rows.tolist(),
                 emitted.tolist(),
-                drafted,
-                kept,
+                n_proposed,
+                n_accepted,
                 sampled.tolist(),
                 logprobs.tolist(),
                 strict=True,
@@ -111,8 +111,8 @@ class Decoder:
                     drafter.finished(indices[row], results[row].token_ids)
             if drafter is not None:
                 drafter.observe(
-                    drafted,
-                    kept,
+                    n_proposed,
+                    n_accepted,
                     len(proposed),
                     fed.numel(),
                     time.perf_counter() - started,
