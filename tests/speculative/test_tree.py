@@ -156,10 +156,11 @@ SAMPLING = SamplingParams(1.0)
 
 
 def tree_stage(engine, spec=False, **tree):
+    """Tree drafts in decoding; with `spec`, each slot's stored draft verified whole before it
+    (the verification budget decides from timings: two stages' budgets would cut differently)."""
     tree = {"enabled": True, "adaptive": False, **tree}
-    return SpeculativeStage(
-        engine, SAMPLING, 12, SpecConfig(enabled=spec, reuse="slot", tree=TreeConfig(**tree))
-    )
+    cfg = SpecConfig(enabled=spec, reuse="slot", verify_budget=False, tree=TreeConfig(**tree))
+    return SpeculativeStage(engine, SAMPLING, 12, cfg)
 
 
 @pytest.mark.parametrize("online", [True, False])
@@ -185,7 +186,9 @@ def test_spec_rl_plus_tree_equals_spec_rl_alone(engine):
             engine,
             SAMPLING,
             12,
-            SpecConfig(enabled=True, reuse="slot", tree=TreeConfig(enabled=False)),
+            SpecConfig(
+                enabled=True, reuse="slot", verify_budget=False, tree=TreeConfig(enabled=False)
+            ),
         ),
         tree_stage(engine, spec=True),
     ]
