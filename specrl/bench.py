@@ -190,8 +190,10 @@ def train_in_turns(
     cfg: Config, arms: Sequence[str], seed: int, seed_dir: Path, log
 ) -> tuple[dict[str, list[dict[str, float]]], str]:
     """The arms' runs of one seed trained at once in one process, one step of each in turn (the
-    first arm going first in odd steps, the last in even ones): their histories, and the policy
-    they trained. Each run keeps its own global random generators (`RandomState`), so it
+    first arm going first in odd steps, the last in even ones; a step's rollouts of every arm
+    back to back, then their updates, so that the machine's speed, which drifts within a
+    minute, is nearly the same for the arms' rollouts of a step): their histories, and the
+    policy they trained. Each run keeps its own global random generators (`RandomState`), so it
     computes what it would alone; the arms' own console lines give way to one line per step."""
     trainers, states = {}, {}
     for arm in arms:
@@ -205,10 +207,13 @@ def train_in_turns(
                 stack.enter_context(trainer.running())
         turn = list(arms)
         while not all(t.finished for t in trainers.values()):
-            seconds = {}
+            collected, seconds = {}, {}
+            for arm in turn:  # the arms' rollouts back to back, then their updates
+                with states[arm].active():
+                    collected[arm] = trainers[arm].begin_step()
             for arm in turn:
                 with states[arm].active():
-                    seconds[arm] = trainers[arm].step()["timing_s/rollout"]
+                    seconds[arm] = trainers[arm].finish_step(collected[arm])["timing_s/rollout"]
             step = trainers[arms[0]].run.global_step
             log(
                 f"bench: step {step}: rollouts "

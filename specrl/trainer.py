@@ -9,6 +9,7 @@ import contextlib
 import gc
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -29,6 +30,17 @@ from specrl.types import Rollout
 
 class TrainingDivergedError(UserError):
     """Training cannot continue: repeated non-finite losses or gradients."""
+
+
+@dataclass
+class Collected:
+    """A step's rollouts and their scores, with the step's metrics so far and the seconds they
+    took."""
+
+    metrics: dict[str, float]
+    rollouts: list[Rollout]
+    scores: Scores
+    seconds: float
 
 
 class Trainer:
@@ -80,9 +92,19 @@ class Trainer:
 
     def step(self) -> dict[str, float]:
         """One step of the run (inside `running`): train, evaluate and save when due, log."""
+        return self.finish_step(self.begin_step())
+
+    def begin_step(self) -> Collected:
+        """A step's first half, its rollouts (`finish_step` is the rest): the bench rolls out
+        several runs' steps back to back, so that their rollouts are timed over the same
+        seconds."""
+        self.run.global_step += 1
+        return self.roll_out()
+
+    def finish_step(self, collected: Collected) -> dict[str, float]:
+        """The rest of the step: learn, evaluate and save when due, log."""
         run = self.run
-        run.global_step += 1
-        metrics = self.train_step()
+        metrics = self.learn(collected)
         self._check_finite(metrics)
         if run.cfg.trainer.test_freq > 0 and self._due(run.cfg.trainer.test_freq):
             metrics.update(run.validate())
@@ -120,15 +142,27 @@ class Trainer:
         return step == self.run.total_steps or (freq > 0 and step % freq == 0)
 
     def train_step(self) -> dict[str, float]:
+        return self.learn(self.roll_out())
+
+    def roll_out(self) -> Collected:
+        """The step's rollouts and their scores (`collect_rollouts`), the next batch's trees
+        seeded ahead where configured."""
         run, cfg = self.run, self.run.cfg
         metrics: dict[str, float] = {"training/global_step": run.global_step}
-        step_start = time.perf_counter()
+        started = time.perf_counter()
         rollouts, scores = self.collect_rollouts(metrics)
         if (warning := run.signal.check(run.global_step, scores.scores)) is not None:
             run.tracker.warn(warning)
         if cfg.rollout.run_ahead:  # workers seed the next batch's trees during the update
             next_key = (cfg.trainer.seed, run.global_step + 1, "run-ahead")
             run.rollouts.run_ahead(run.loader.peek(), next_key, run.global_step)
+        return Collected(metrics, rollouts, scores, time.perf_counter() - started)
+
+    def learn(self, collected: Collected) -> dict[str, float]:
+        """The update on a step's rollouts, and the weights synced to the rollout engine."""
+        run, cfg = self.run, self.run.cfg
+        metrics, rollouts, scores = collected.metrics, collected.rollouts, collected.scores
+        started = time.perf_counter()
         batch = self.train_batch(rollouts, scores, metrics)
         if cfg.rollout.enable_sleep_mode:  # the trainer gets the GPU memory during the update
             run.rollouts.sleep()
@@ -142,7 +176,7 @@ class Trainer:
             run.rollouts.wake_up()
         with timed(metrics, "sync"):
             metrics["sync/weight_bytes"] = run.sync_weights()
-        metrics["timing_s/step"] = time.perf_counter() - step_start
+        metrics["timing_s/step"] = collected.seconds + time.perf_counter() - started
         metrics.update(data_metrics(
             rollouts, torch.tensor(scores.scores), batch.advantages, batch.response_mask,
             metrics["timing_s/step"],
