@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 import platform
+import statistics
 from collections.abc import Sequence
 from typing import Any
 
@@ -185,7 +186,10 @@ def _windows(
     steps: list[dict[str, float]], vanilla: list[dict[str, float]], window: int
 ) -> list[dict[str, Any]]:
     """Per `window` steps: rollout seconds (and vanilla's over the same steps), reuse, and the
-    trie's nodes stored, verified and prompts skipped per step (the budget's decisions)."""
+    trie's nodes stored, verified and prompts skipped per step (the budget's decisions). The
+    speedup's standard error is that of the mean log ratio of the arms' steps, paired step by
+    step (each seed's steps in order): the machine's noise, and how the ratio varies over the
+    window, in one figure."""
     last = int(max((m["training/global_step"] for m in steps), default=0))
     out = []
     for first in range(1, last + 1, window):
@@ -194,12 +198,18 @@ def _windows(
         theirs = [m for m in vanilla if first <= m["training/global_step"] <= end]
         total = RolloutStats.of_steps(mine)
         rollout_s = _total(mine, "timing_s/rollout")
+        speedup = _total(theirs, "timing_s/rollout") / max(rollout_s, 1e-9)
+        log_se = _standard_error([
+            math.log(v["timing_s/rollout"] / m["timing_s/rollout"])
+            for m, v in zip(mine, theirs, strict=True)
+        ])  # fmt: skip
         out.append(
             {
                 "steps": f"{first}-{end}",
                 "rollout_s": rollout_s,
                 "vanilla_rollout_s": _total(theirs, "timing_s/rollout"),
-                "rollout_speedup": _total(theirs, "timing_s/rollout") / max(rollout_s, 1e-9),
+                "rollout_speedup": speedup,
+                "rollout_speedup_se": None if log_se is None else speedup * log_se,
                 "reused_token_ratio": total.ratios()["spec/reused_token_ratio"],
                 "response_tokens_per_step": total.response_tokens / max(len(mine), 1),
                 "trie_nodes_stored_per_step": total.trie_nodes_stored / max(len(mine), 1),
@@ -221,7 +231,9 @@ def window_lines(result: dict[str, Any]) -> list[str]:
         for w in summary["windows"]:
             lines.append(
                 f"{arm} steps {w['steps']}: rollouts {w['rollout_s']:.1f} s vs vanilla's "
-                f"{w['vanilla_rollout_s']:.1f} s ({w['rollout_speedup']:.2f}x), reuse "
+                f"{w['vanilla_rollout_s']:.1f} s ({w['rollout_speedup']:.2f}x"
+                + (f" ± {w['rollout_speedup_se']:.2f}" if w["rollout_speedup_se"] else "")
+                + "), reuse "
                 f"{w['reused_token_ratio']:.3f}, trie nodes verified/stored per step "
                 f"{w['trie_nodes_per_step']:.0f}/{w['trie_nodes_stored_per_step']:.0f}, "
                 f"prompts skipped {w['trie_prompts_skipped']}"
@@ -256,6 +268,11 @@ def _train_steps(history: list[dict[str, float]]) -> list[dict[str, float]]:
 
 def _total(steps: list[dict[str, float]], key: str) -> float:
     return float(sum(m.get(key, 0.0) for m in steps))
+
+
+def _standard_error(values: Sequence[float]) -> float | None:
+    """Of the mean of `values` (None for fewer than two)."""
+    return statistics.stdev(values) / math.sqrt(len(values)) if len(values) > 1 else None
 
 
 def _mean(values: Sequence[float | None]) -> float | None:

@@ -152,6 +152,24 @@ def test_timings_of_a_disturbed_bench_are_flagged():
     )
 
 
+def test_a_windows_speedup_comes_with_the_standard_error_of_its_paired_steps():
+    """Steps paired in order: log ratios 0, ln 1.2, ln(1/1.2), 0 have a standard error of
+    0.0744 around their mean; a window of one step has none."""
+    from specrl.bench_summary import _windows, window_lines
+
+    def steps(seconds):
+        return [
+            {"training/global_step": s + 1, "timing_s/rollout": t} for s, t in enumerate(seconds)
+        ]
+
+    windows = _windows(steps([10, 10, 12, 12, 5]), steps([10, 12, 10, 12, 6]), 4)
+    assert windows[0]["rollout_speedup"] == 1.0
+    assert windows[0]["rollout_speedup_se"] == pytest.approx(0.0744, abs=1e-4)
+    assert windows[1]["rollout_speedup"] == 1.2 and windows[1]["rollout_speedup_se"] is None
+    lines = window_lines({"arms": {"trie": {"windows": windows}}})
+    assert "(1.00x ± 0.07)" in lines[0] and "(1.20x)" in lines[1]
+
+
 def test_interleaved_arms_train_as_they_do_one_after_another(tiny_policy_dir, tmp_path):
     reward = tmp_path / "reward.py"  # a reward the tiny policy's samples vary in: it learns
     reward.write_text(
