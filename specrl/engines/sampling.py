@@ -33,6 +33,7 @@ class RowSampling:
     top_p: torch.Tensor
     truncates: bool  # some row keeps only its top-k or top-p tokens
     greedy: bool  # some row is greedy
+    tempered: bool  # some row's temperature is neither 1 nor 0 (greedy): logits are divided
 
     @classmethod
     def of(cls, params: Sequence[SamplingParams], device: torch.device | str) -> RowSampling:
@@ -42,12 +43,13 @@ class RowSampling:
             top_p=torch.tensor([p.top_p for p in params], device=device),
             truncates=any(p.top_k > 0 or p.top_p < 1 for p in params),
             greedy=any(p.greedy for p in params),
+            tempered=any(p.temperature not in (0.0, 1.0) for p in params),
         )
 
     def select(self, index: torch.Tensor) -> RowSampling:
         """The rows `index` (a batch after some sequences left it)."""
         tensors = (t[index] for t in (self.temperature, self.top_k, self.top_p))
-        return RowSampling(*tensors, self.truncates, self.greedy)
+        return RowSampling(*tensors, self.truncates, self.greedy, self.tempered)
 
     def repeat(self, times: int | torch.Tensor) -> RowSampling:
         """Each row `times` times in a row (one per fed column of a decode forward), or row i
@@ -55,17 +57,17 @@ class RowSampling:
         if isinstance(times, int) and times == 1:
             return self
         tensors = (t.repeat_interleave(times) for t in (self.temperature, self.top_k, self.top_p))
-        return RowSampling(*tensors, self.truncates, self.greedy)
+        return RowSampling(*tensors, self.truncates, self.greedy, self.tempered)
 
 
 def sampling_logprobs(logits: torch.Tensor, rows: RowSampling) -> torch.Tensor:
     """logits [B, V] and the sampling params of each row → logprobs [B, V] (-inf outside the
     support)."""
     logits = logits.float()
-    temperature = rows.temperature
-    if rows.greedy:
-        temperature = torch.where(temperature == 0, 1.0, temperature)
-    scaled = logits / temperature[:, None]
+    scaled = logits  # x / 1 is x: at temperatures 1 (and 0) nothing to divide, [B, V] a forward
+    if rows.tempered:
+        temperature = torch.where(rows.temperature == 0, 1.0, rows.temperature)
+        scaled = logits / temperature[:, None]
     if rows.truncates:
         scaled = _truncate(scaled, rows.top_k, rows.top_p)
     logprobs = scaled.log_softmax(-1)  # [B, V]

@@ -122,6 +122,20 @@ def test_seeded_uniform_is_uniform_and_decorrelated():
     assert abs(torch.corrcoef(torch.stack([u, v]))[0, 1]) < 0.03
 
 
+def test_each_row_is_tempered_by_its_own_temperature():
+    """Rows at temperatures 1, 0.5 and 0 (greedy) in one batch: softmax(logits / T) per row, a
+    point mass for the greedy one; a batch of temperature-1 rows is log_softmax(logits) bit for
+    bit (nothing divided)."""
+    logits = torch.randn(3, 16, generator=torch.Generator().manual_seed(0))
+    params = [SamplingParams(1.0), SamplingParams(0.5), SamplingParams(0.0)]
+    mixed = sampling_logprobs(logits, RowSampling.of(params, "cpu"))
+    torch.testing.assert_close(mixed[0], logits[0].log_softmax(-1))
+    torch.testing.assert_close(mixed[1], (logits[1] / 0.5).log_softmax(-1))
+    assert mixed[2].exp().tolist() == torch.nn.functional.one_hot(logits[2].argmax(), 16).tolist()
+    plain = sampling_logprobs(logits, RowSampling.of([SamplingParams(1.0)] * 3, "cpu"))
+    assert torch.equal(plain, logits.log_softmax(-1))
+
+
 def test_top_p_keeps_the_smallest_set_reaching_p():
     logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
     probs = sampling_logprobs(
