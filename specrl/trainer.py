@@ -1,7 +1,7 @@
 """The training loop, top to bottom as in docs/design.md: rollout → rewards → advantages → update →
 sync → log. A `Trainer` holds the run that assemble.py builds from the config and runs this loop.
-Everything speculative happens inside the rollout stage; the policy and its update live in
-actor/."""
+Everything speculative happens inside the rollout stage; the learner's inputs are built in
+learner_inputs.py; the policy and its update live in actor/."""
 
 from __future__ import annotations
 
@@ -14,14 +14,12 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from specrl.actor.batch import TrainBatch
-from specrl.algorithms.advantages import AdvantageInputs, compute_advantages
 from specrl.algorithms.dapo import groups_with_signal
-from specrl.algorithms.rollout_correction import correction_weights
 from specrl.assemble import Run, build_run
 from specrl.config import Config, save_config
 from specrl.errors import UserError
-from specrl.metrics import data_metrics, logprob_mismatch, timed, value_metrics
+from specrl.learner_inputs import learner_batch
+from specrl.metrics import data_metrics, timed
 from specrl.rewards import RewardFunctionError, Scores, score_rollouts
 from specrl.run_dir import RunInterrupted, StopSignals
 from specrl.tracking import Tracker
@@ -163,7 +161,7 @@ class Trainer:
         run, cfg = self.run, self.run.cfg
         metrics, rollouts, scores = collected.metrics, collected.rollouts, collected.scores
         started = time.perf_counter()
-        batch = self.train_batch(rollouts, scores, metrics)
+        batch = learner_batch(run, rollouts, scores, metrics)
         if cfg.rollout.enable_sleep_mode:  # the trainer gets the GPU memory during the update
             run.rollouts.sleep()
         with timed(metrics, "update_actor"):
@@ -239,46 +237,3 @@ class Trainer:
                 f"first: {scores.first_error}"
             )
         return scores
-
-    # ---------------------------------------------------------------- learner inputs
-    def train_batch(
-        self, rollouts: list[Rollout], scores: Scores, metrics: dict[str, float]
-    ) -> TrainBatch:
-        """Rollouts as tensors with what the update needs: old logprobs, rollout importance
-        weights, reference logprobs and advantages."""
-        run, cfg = self.run, self.run.cfg
-        batch = TrainBatch.collate(rollouts, run.tokenizer.pad_token_id)
-        rollout_logprobs = batch.pad_responses([r.current_logprobs for r in rollouts])
-        with timed(metrics, "old_log_prob"):
-            if run.rollout_logprobs_are_old_logprobs:
-                batch.old_logprobs = rollout_logprobs
-            else:
-                batch.old_logprobs = run.actor.logprobs(batch)
-        metrics.update(logprob_mismatch(batch.old_logprobs, rollout_logprobs, batch.response_mask))
-        off_policy = any(r.behaviour_logprobs is not None for r in rollouts)
-        behaviour = batch.pad_responses(  # what each token was sampled with
-            [r.behaviour_logprobs or r.current_logprobs for r in rollouts]
-        )
-        batch.is_weights, corrected = correction_weights(
-            batch.old_logprobs, behaviour, batch.response_mask, cfg.algorithm.rollout_correction,
-            off_policy,
-        )  # fmt: skip
-        metrics.update(corrected)
-        if cfg.actor.use_kl_loss:
-            with timed(metrics, "ref"):
-                batch.ref_logprobs = run.actor.logprobs(batch, reference=True)
-        if run.critic is not None:
-            with timed(metrics, "values"):
-                batch.values = run.critic.values(batch)
-        with timed(metrics, "adv"):
-            inputs = AdvantageInputs(
-                torch.tensor(scores.scores).view(-1, cfg.rollout.n), batch.response_mask,
-                cfg.algorithm.gamma, cfg.algorithm.norm_adv_by_std_in_grpo, batch.values,
-                cfg.algorithm.lam,
-            )  # fmt: skip
-            batch.advantages, batch.returns = compute_advantages(
-                cfg.algorithm.adv_estimator, inputs
-            )
-        if run.critic is not None:
-            metrics.update(value_metrics(batch.values, batch.returns, batch.response_mask))
-        return batch
