@@ -192,8 +192,9 @@ def train_in_turns(
     """The arms' runs of one seed trained at once in one process, one step of each in turn (the
     first arm going first in odd steps, the last in even ones; a step's rollouts of every arm
     back to back, then their updates, so that they are timed as close together as they can
-    be): their histories, and the policy they trained. Each run keeps its own global random generators (`RandomState`), so it
-    computes what it would alone; the arms' own console lines give way to one line per step."""
+    be): their histories, and the policy they trained. Each run keeps its own global random
+    generators (`RandomState`), so it computes what it would alone; the arms' own console lines
+    give way to one line per step."""
     trainers, states = {}, {}
     for arm in arms:
         arm_cfg = arm_config(cfg, arm, seed, seed_dir)

@@ -232,7 +232,11 @@ def window_lines(result: dict[str, Any]) -> list[str]:
             lines.append(
                 f"{arm} steps {w['steps']}: rollouts {w['rollout_s']:.1f} s vs vanilla's "
                 f"{w['vanilla_rollout_s']:.1f} s ({w['rollout_speedup']:.2f}x"
-                + (f" ± {w['rollout_speedup_se']:.2f}" if w["rollout_speedup_se"] else "")
+                + (
+                    f" ± {w['rollout_speedup_se']:.2f}"
+                    if w["rollout_speedup_se"] is not None
+                    else ""
+                )
                 + "), reuse "
                 f"{w['reused_token_ratio']:.3f}, trie nodes verified/stored per step "
                 f"{w['trie_nodes_per_step']:.0f}/{w['trie_nodes_stored_per_step']:.0f}, "

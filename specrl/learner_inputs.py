@@ -1,6 +1,6 @@
-"""The learner's inputs from a step's rollouts (docs/design.md: rollout → rewards → advantages →
-update): the rollouts as tensors, with the old policy's logprobs, the rollout importance weights,
-the reference policy's logprobs, the critic's values and the advantages."""
+"""The learner's inputs from a step's rollouts (docs/design.md: rollout → rewards → advantages
+→ update): the rollouts as tensors, with the old policy's logprobs, the rollout importance
+weights, the reference policy's logprobs, the critic's values and the advantages."""
 
 from __future__ import annotations
 

@@ -94,8 +94,7 @@ class Trainer:
 
     def begin_step(self) -> Collected:
         """A step's first half, its rollouts (`finish_step` is the rest): the bench rolls out
-        several runs' steps back to back, so that their rollouts are timed over the same
-        seconds."""
+        several runs' steps back to back, then updates them."""
         self.run.global_step += 1
         return self.roll_out()
 
