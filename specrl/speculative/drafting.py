@@ -34,18 +34,26 @@ class DraftWidth:
     tokens per second.
 
     A forward over B sequences that computes E draft positions besides their B next tokens costs
-    c0 + cs·B + cd·E seconds: a cost per forward, one per sequence (its token, its sampling, the
-    engine's bookkeeping: most of a vLLM step on a CPU) and one per draft position. E is B·K on
-    an engine that pads every sequence to K drafts, the drafts themselves on a `ragged` one. The
-    three are fitted (exponentially weighted least squares) to the engine's own decode forwards.
-    A sequence whose source proposed L tokens produces 1 + α + … + α^min(L, K) tokens in
-    expectation, α being the measured per-token accept rate. With a large batch and drafts
-    that cost as much as sequences the best K is 0; in the long tail of a batch, where c0
-    dominates, it is large. cd is only measured by forwards that verify drafts: while none has
-    been seen lately (their weight decays with the cost), the next forward with proposals
-    verifies one draft token per sequence to measure it and α. `adaptive=False` always takes
-    every proposed token up to `max_tokens`.
+    c0 + cs·B + cd·E + cf·[E > 0] seconds: a cost per forward, one per sequence (its token, its
+    sampling, the engine's bookkeeping: most of a vLLM step on a CPU), one per draft position,
+    and one of verifying drafts at all (proposing them, feeding them, accepting them: host work
+    that outweighs the draft positions when forwards are host-bound, as a small model's). E is
+    B·K on an engine that pads every sequence to K drafts, the drafts themselves on a `ragged`
+    one. The four are fitted (exponentially weighted least squares) to the engine's own decode
+    iterations (the whole loop around a forward, drafting included), refitted every `refit_every` forwards (a fit costs more host time than a small model's
+    forward, and the costs drift slowly). A sequence whose source proposed L tokens produces
+    1 + α + … + α^min(L, K) tokens in expectation, α being the measured per-token accept rate
+    over the last `accept_rate_memory` draft tokens decided (older ones fade per token decided,
+    not per forward: a stretch without drafts leaves α where it was). With a large batch and
+    drafts that cost as much as sequences the best K is 0; in the long tail of a batch, where
+    c0 dominates, it is large. cd and cf are only measured by forwards that verify drafts (cf
+    once those differ enough in width to tell it from cd; 0 until then): while none has been
+    seen lately (their weight decays with the cost), the next forward with proposals
+    verifies one draft token per sequence to measure it and α afresh. `adaptive=False` always
+    takes every proposed token up to `max_tokens`.
     """
+
+    refit_every = 8
 
     def __init__(
         self,
@@ -53,44 +61,56 @@ class DraftWidth:
         adaptive: bool = True,
         ragged: bool = False,
         cost_decay: float = 0.98,
-        accept_rate_decay: float = 0.8,
+        accept_rate_memory: float = 64.0,
     ) -> None:
         self.max_tokens = max_tokens
         self.adaptive = adaptive
         self.ragged = ragged
         self.cost_decay = cost_decay  # the cost of a forward drifts slowly
-        # the accept rate moves fast (a new round of trees)
-        self.accept_rate_decay = accept_rate_decay
-        self._sums = np.zeros((3, 4))  # weighted sums of x·[x, t] over forwards, x = (1, B, E)
+        self.accept_rate_memory = accept_rate_memory
+        # weighted sums of x·[x, t] over forwards, x = (1, B, E, [E > 0])
+        self._sums = np.zeros((4, 5))
         self._drafted = 0.0  # weighted count of forwards that verified drafts
         self._trials, self._accepted = 0.0, 0.0  # decayed evidence; α = (accepted+1)/(trials+2)
         self.choices: Counter[int] = Counter()  # K chosen per forward, since the last reset
-        self._fit: tuple[float, float, float | None] | None = None
-        self._stale = True  # _fit is not yet the fit of _sums
+        self._fit: tuple[float, float, float | None, float | None] | None = None
+        self._unfitted = 0  # forwards observed since _fit was fitted
+        self._worthwhile: dict[int, bool] = {}  # by batch size, under _fit and α as they are
 
     @property
     def accept_rate(self) -> float:
         return (self._accepted + 1) / (self._trials + 2)
 
-    def cost(self) -> tuple[float, float, float | None] | None:
-        """(c0, cs, cd): cd is None until forwards with drafts measured it; None until the
-        forwards seen differ enough in batch size to separate c0 from cs. Fitted once per
-        forward observed."""
-        if self._stale:
-            self._fit, self._stale = self._fitted(), False
+    def cost(self) -> tuple[float, float, float | None, float | None] | None:
+        """(c0, cs, cd, cf): cd and cf are None until forwards with drafts measured them; None
+        until the
+        forwards seen differ enough in batch size to separate c0 from cs. Fitted again after
+        `refit_every` forwards, and after any forward while there is no fit or while whether
+        drafts were verified lately (cd measured) has changed since the fit."""
+        fit, drafted = self._fit, self._drafted >= 0.5
+        if self._unfitted and (
+            self._unfitted >= self.refit_every or fit is None or drafted != (fit[2] is not None)
+        ):
+            self._fit, self._unfitted = self._fitted(), 0
+            self._worthwhile.clear()
         return self._fit
 
-    def _fitted(self) -> tuple[float, float, float | None] | None:
-        xx, xt = self._sums[:, :3], self._sums[:, 3]
+    def _fitted(self) -> tuple[float, float, float | None, float | None] | None:
+        xx, xt = self._sums[:, :4], self._sums[:, 4]
         if xx[0, 0] < 4:
             return None
-        measured = 3 if self._drafted >= 0.5 else 2
-        a, b = xx[:measured, :measured], xt[:measured]
-        scale = np.sqrt(np.diag(a))
-        if scale.min() <= 0 or np.linalg.cond(a / np.outer(scale, scale)) > 1e8:
+        for measured in (4, 3) if self._drafted >= 0.5 else (2,):
+            c = _solved(xx[:measured, :measured], xt[:measured])
+            if c is not None:
+                break
+        else:
             return None
-        c = np.linalg.solve(a, b)
-        return max(c[0], 0.0), max(c[1], 1e-12), max(c[2], 1e-12) if measured == 3 else None
+        if measured == 2:
+            return max(c[0], 0.0), max(c[1], 1e-12), None, None
+        return (
+            max(c[0], 0.0), max(c[1], 1e-12), max(c[2], 1e-12),
+            max(c[3], 0.0) if measured == 4 else 0.0,
+        )  # fmt: skip
 
     def choose(self, lengths: Sequence[int]) -> int:
         """K for a forward whose sequences were proposed `lengths` draft tokens."""
@@ -100,8 +120,13 @@ class DraftWidth:
 
     def worthwhile(self, batch_size: int) -> bool:
         """Whether any K > 0 could pay off for this batch size, were every sequence proposed
-        `max_tokens` drafts: when not, the engine skips asking for proposals."""
-        return self._best([self.max_tokens] * batch_size) > 0
+        `max_tokens` drafts: when not, the engine skips asking for proposals. Asked before every
+        forward: answered once per batch size until the fit or α move."""
+        self.cost()  # refitted when due, which forgets the answers
+        known = self._worthwhile.get(batch_size)
+        if known is None:
+            known = self._worthwhile[batch_size] = self._best([self.max_tokens] * batch_size) > 0
+        return known
 
     def _best(self, lengths: Sequence[int]) -> int:
         longest = min(max(lengths, default=0), self.max_tokens)
@@ -110,7 +135,7 @@ class DraftWidth:
         cost = self.cost()
         if cost is None:  # not measured yet: decode plainly (the forwards it sees fit the model)
             return 0
-        c0, cs, cd = cost
+        c0, cs, cd, cf = cost
         if cd is None:  # drafts not measured lately: verify one per sequence
             return 1
         alpha = min(self.accept_rate, 0.999)
@@ -118,25 +143,28 @@ class DraftWidth:
         widths = np.arange(longest + 1)[:, None]
         expected = (1 - alpha ** (np.minimum(caps, widths) + 1)) / (1 - alpha)  # [K+1, B]
         drafts = np.minimum(caps, widths).sum(1) if self.ragged else widths[:, 0] * len(lengths)
-        seconds = c0 + cs * len(lengths) + cd * drafts
+        seconds = c0 + cs * len(lengths) + cd * drafts + cf * (drafts > 0)
         return int(np.argmax(expected.sum(1) / seconds))
 
     def observe_forward(self, sequences: int, fed_tokens: int, seconds: float) -> None:
         """A decode forward over `sequences` sequences computed `fed_tokens` positions."""
-        x = np.array([1.0, sequences, fed_tokens - sequences])
+        drafts = fed_tokens - sequences
+        x = np.array([1.0, sequences, drafts, float(drafts > 0)])
         self._sums = self.cost_decay * self._sums + np.outer(x, np.append(x, seconds))
         self._drafted = self.cost_decay * self._drafted + (fed_tokens > sequences)
-        self._stale = True
+        self._unfitted += 1
 
     def observe_drafts(self, proposed: Sequence[int], accepted: Sequence[int]) -> None:
         """Per sequence of one forward: draft tokens verified and how many of them were accepted.
-        Each accepted token is a success, the first rejected one (if any) a failure. Evidence
-        decays every forward, with or without drafts, so after a stretch without speculation α
-        drifts back to the prior 1/2 (acceptance changes abruptly, e.g. when prompts with older
-        trees come up)."""
+        Each accepted token is a success, the first rejected one (if any) a failure. Earlier
+        evidence fades by 1 - 1 / accept_rate_memory per token decided now, so forwards without
+        drafts do not pull α back towards the prior."""
         trials = sum(a + (a < p) for p, a in zip(proposed, accepted, strict=True) if p > 0)
-        self._trials = self.accept_rate_decay * self._trials + trials
-        self._accepted = self.accept_rate_decay * self._accepted + sum(accepted)
+        if trials:
+            keep = (1.0 - 1.0 / self.accept_rate_memory) ** trials
+            self._trials = keep * self._trials + trials
+            self._accepted = keep * self._accepted + sum(accepted)
+            self._worthwhile.clear()
 
     def state_dict(self) -> dict[str, Any]:
         return {
@@ -147,19 +175,29 @@ class DraftWidth:
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """A checkpoint from before the per-sequence cost term (`fit`, c0 + c1·tokens) restarts
-        the cost fit: it is measured again within a few forwards."""
-        if "cost_sums" in state:
-            self._sums = np.asarray(state["cost_sums"], dtype=np.float64).copy()
-            self._drafted = float(state["drafted"])
+        """A checkpoint from before the cost terms of now (c0 + c1·tokens, or without cf)
+        restarts the cost fit: it is measured again within a few forwards."""
+        sums = np.asarray(state.get("cost_sums", ()), dtype=np.float64)
+        if sums.shape == (4, 5):
+            self._sums, self._drafted = sums.copy(), float(state["drafted"])
         else:
-            self._sums, self._drafted = np.zeros((3, 4)), 0.0
-        self._stale = True
+            self._sums, self._drafted = np.zeros((4, 5)), 0.0
+        self._fit, self._unfitted = None, 1
         self._trials, self._accepted = float(state["trials"]), float(state["accepted"])
+        self._worthwhile.clear()
 
     def reset_choices(self) -> Counter[int]:
         choices, self.choices = self.choices, Counter()
         return choices
+
+
+def _solved(a: np.ndarray, b: np.ndarray) -> np.ndarray | None:
+    """The solution of the normal equations a c = b, or None where a is too ill-conditioned to
+    separate the costs (after scaling its columns to unit diagonal)."""
+    scale = np.sqrt(np.diag(a))
+    if scale.min() <= 0 or np.linalg.cond(a / np.outer(scale, scale)) > 1e8:
+        return None
+    return np.linalg.solve(a, b)
 
 
 @dataclass

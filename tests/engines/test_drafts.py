@@ -3,6 +3,7 @@ yields, never which tokens."""
 
 import random
 
+import numpy as np
 import pytest
 import torch
 
@@ -105,19 +106,21 @@ def test_rejected_draft_columns_are_dropped_from_the_cache(engine, monkeypatch):
     assert len(calls) >= 2
 
 
-def measured(width, per_sequence, per_draft, batches=(1, 4, 16, 64, 256, 512)):
-    """Forwards without drafts, then with one draft per sequence, costing 1 ms + per_sequence
-    per sequence + per_draft per draft position."""
-    for k in (0, 1):
+def measured(width, per_sequence, per_draft, batches=(1, 4, 16, 64, 256, 512), drafting=0.0):
+    """Forwards without drafts, then with one and with two drafts per sequence, costing 1 ms +
+    per_sequence per sequence + per_draft per draft position + `drafting` once drafts are
+    verified."""
+    for k in (0, 1, 2):
         for b in batches:
-            width.observe_forward(b, b * (k + 1), 1e-3 + per_sequence * b + per_draft * b * k)
+            cost = 1e-3 + per_sequence * b + per_draft * b * k + drafting * (k > 0)
+            width.observe_forward(b, b * (k + 1), cost)
 
 
 def test_draft_width_speculates_in_the_tail_not_in_a_large_batch():
     width = DraftWidth(8)
     assert width.choose([8, 8]) == 0  # no cost data yet: decode plainly while measuring
     measured(width, 4e-5, 4e-5)  # a draft position costs what a sequence does (transformers)
-    assert width.cost() == pytest.approx((1e-3, 4e-5, 4e-5))
+    assert width.cost() == pytest.approx((1e-3, 4e-5, 4e-5, 0.0))
     width.observe_drafts([8] * 100, [2] * 100)  # α ≈ 2/3
     assert width.choose([8] * 256) == 0  # compute-bound: extra tokens cost more than they yield
     assert width.choose([8]) >= 4  # overhead-bound tail: speculate
@@ -150,7 +153,7 @@ def test_draft_width_measures_drafts_before_trusting_their_cost():
     assert width.choose([0] * 256) == 0  # nothing proposed: nothing to measure
     width.observe_forward(256, 512, 1e-3 + 8e-5 * 256)  # the draft cost a sequence's worth
     width.observe_drafts([1] * 256, [0] * 256)
-    assert width.cost() == pytest.approx((1e-3, 4e-5, 4e-5))
+    assert width.cost() == pytest.approx((1e-3, 4e-5, 4e-5, 0.0))  # cf: not told from cd yet
     assert width.choose([8] * 256) == 0
     for _ in range(40):
         width.observe_forward(256, 256, 1e-3 + 4e-5 * 256)
@@ -180,3 +183,34 @@ def test_draft_width_state_round_trips_and_an_old_checkpoint_restarts_the_cost_f
     old = {"fit": [1.0] * 5, "trials": 20.0, "accepted": 10.0}
     again.load_state_dict(old)
     assert again.cost() is None and again.accept_rate == pytest.approx(11 / 22)
+    without_cf = {**width.state_dict(), "cost_sums": np.zeros((3, 4))}
+    again.load_state_dict(without_cf)
+    assert again.cost() is None
+
+
+def test_draft_width_charges_the_host_work_of_verifying_drafts():
+    """A small model's forwards are host-bound: draft positions cost next to nothing, but a
+    forward that proposes, feeds and accepts drafts costs 0.4 ms more (fitted as cf). At the
+    accept rate such a policy's trees have early in RL, drafts do not pay even in the tail;
+    at a high one they do."""
+    width = DraftWidth(8)
+    measured(width, 2e-5, 1e-6, batches=(1, 2, 4, 8), drafting=4e-4)
+    assert width.cost() == pytest.approx((1e-3, 2e-5, 1e-6, 4e-4))
+    width.observe_drafts([8] * 100, [0] * 92 + [1] * 8)  # α ≈ 0.08
+    assert not width.worthwhile(2) and width.choose([8, 8]) == 0
+    width.observe_drafts([8] * 100, [8] * 100)  # α ≈ 0.9
+    assert width.worthwhile(2) and width.choose([8, 8]) >= 4
+
+
+def test_forwards_without_drafts_leave_the_accept_rate_where_it_was():
+    """α is the rate of the last draft tokens decided: a stretch of forwards that verify none
+    (K = 0 chosen) does not pull it back towards the prior 1/2, which would verify drafts again
+    and again on a policy whose drafts are rarely accepted."""
+    width = DraftWidth(8)
+    measured(width, 2e-5, 1e-6, batches=(1, 2, 4, 8), drafting=4e-4)
+    width.observe_drafts([8] * 100, [0] * 95 + [1] * 5)
+    before = width.accept_rate
+    for _ in range(50):
+        width.observe_drafts([0] * 8, [0] * 8)
+        width.observe_forward(8, 8, 1e-3 + 8 * 2e-5)
+    assert width.accept_rate == before < 0.1

@@ -109,17 +109,14 @@ class Decoder:
                 results[row].finish_reason = _reason(was_stopped)
                 if drafter is not None:
                     drafter.finished(indices[row], results[row].token_ids)
-            if drafter is not None:
-                drafter.observe(
-                    n_proposed,
-                    n_accepted,
-                    len(proposed),
-                    fed.numel(),
-                    time.perf_counter() - started,
-                )
-            if bool(finished.all()):
+            done = bool(finished.all())
+            if not done:
+                batch.advance(sampled, accepted, cols, finished)
+            if drafter is not None:  # the whole iteration: drafting's host work included
+                seconds = time.perf_counter() - started
+                drafter.observe(n_proposed, n_accepted, len(proposed), fed.numel(), seconds)
+            if done:
                 return results
-            batch.advance(sampled, accepted, cols, finished)
 
     def _count_decode(self, attention: torch.Tensor, proposed: torch.Tensor, width: int) -> None:
         """One decode forward: each row's fed token and its drafts (`proposed` [B]) after the

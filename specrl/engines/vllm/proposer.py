@@ -158,13 +158,13 @@ class DraftSession:
             drafts[row] = proposal[:k]
         self.counts.proposing(req_ids, drafts)
         self._rows, self._fed = len(sampled), len(sampled) + sum(len(d) for d in drafts)
-        self._last_call = time.perf_counter()
+        self._last_call = now
         return drafts
 
     def _observe(self, req_ids: Sequence[str | None], sampled: Sequence[Sequence[int]], now: float):
         """What the last step did with the drafts it verified, and how long it took: from the
-        end of the last call to this one, one engine step (the first call follows the prefill,
-        which is not a decode step: nothing to observe)."""
+        start of the last call to this one, its proposals and one engine step (the first call
+        follows the prefill, which is not a decode step: nothing to observe)."""
         proposed, accepted = self.counts.observe(req_ids, sampled)
         if self._last_call is not None:
             self.drafter.observe(proposed, accepted, self._rows, self._fed, now - self._last_call)
