@@ -40,17 +40,17 @@ class DraftWidth:
     that outweighs the draft positions when forwards are host-bound, as a small model's). E is
     B·K on an engine that pads every sequence to K drafts, the drafts themselves on a `ragged`
     one. The four are fitted (exponentially weighted least squares) to the engine's own decode
-    iterations (the whole loop around a forward, drafting included), refitted every `refit_every` forwards (a fit costs more host time than a small model's
-    forward, and the costs drift slowly). A sequence whose source proposed L tokens produces
-    1 + α + … + α^min(L, K) tokens in expectation, α being the measured per-token accept rate
-    over the last `accept_rate_memory` draft tokens decided (older ones fade per token decided,
-    not per forward: a stretch without drafts leaves α where it was). With a large batch and
-    drafts that cost as much as sequences the best K is 0; in the long tail of a batch, where
-    c0 dominates, it is large. cd and cf are only measured by forwards that verify drafts (cf
-    once those differ enough in width to tell it from cd; 0 until then): while none has been
-    seen lately (their weight decays with the cost), the next forward with proposals
-    verifies one draft token per sequence to measure it and α afresh. `adaptive=False` always
-    takes every proposed token up to `max_tokens`.
+    iterations (the whole loop around a forward, drafting included), every `refit_every`
+    forwards (a fit costs more host time than a small model's forward; the costs drift slowly).
+    A sequence whose source proposed L tokens produces 1 + α + … + α^min(L, K) tokens in
+    expectation, α being the measured per-token accept rate over the last `accept_rate_memory`
+    draft tokens decided (older ones fade per token decided, not per forward: a stretch without
+    drafts leaves α where it was). With a large batch and drafts that cost as much as sequences
+    the best K is 0; in the long tail of a batch, where c0 dominates, it is large. cd and cf are
+    only measured by forwards that verify drafts (cf once those differ enough in width to tell
+    it from cd; 0 until then): while none has been seen lately (their weight decays with the
+    cost), the next forward with proposals verifies one draft token per sequence to measure
+    them and α afresh. `adaptive=False` always takes every proposed token up to `max_tokens`.
     """
 
     refit_every = 8
@@ -83,10 +83,9 @@ class DraftWidth:
 
     def cost(self) -> tuple[float, float, float | None, float | None] | None:
         """(c0, cs, cd, cf): cd and cf are None until forwards with drafts measured them; None
-        until the
-        forwards seen differ enough in batch size to separate c0 from cs. Fitted again after
-        `refit_every` forwards, and after any forward while there is no fit or while whether
-        drafts were verified lately (cd measured) has changed since the fit."""
+        until the forwards seen differ enough in batch size to separate c0 from cs. Fitted again
+        after `refit_every` forwards, and after any forward while there is no fit or while
+        whether drafts were verified lately (cd measured) has changed since the fit."""
         fit, drafted = self._fit, self._drafted >= 0.5
         if self._unfitted and (
             self._unfitted >= self.refit_every or fit is None or drafted != (fit[2] is not None)
