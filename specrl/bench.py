@@ -298,7 +298,9 @@ def timing_warnings(result: dict[str, Any], load: dict[str, list[float]], cores:
             warnings.append(
                 f"the {arm} arm's first epoch, the same work as vanilla's, took "
                 f"{summary['epoch0_rollout_s']:.1f} s against {first:.1f} s ({apart:+.0%}): the "
-                "machine's speed moved during the bench; compare within arms, or rerun alone"
+                "machine's speed moved during the bench, or the arm's own work around the model "
+                "(its stage's host work, which short steps show) costs that much; compare within "
+                "arms, or rerun alone"
             )
         # the limit holds per response token: arms that train apart sample responses of their
         # own lengths (on a real model, visibly)
