@@ -25,7 +25,7 @@ Both costs are measured on the engine's own calls, as wall seconds: c_node is a 
 seconds per position it computed (prompt and nodes: a pass prefills its prompts, which decoding
 then reuses). c_token is what a reused token saves decoding: one row of forwards that run anyway
 (cs, `DraftWidth`'s per-sequence cost, fitted to every decode forward of the engine as
-c0 + cs · rows + cd · drafts), plus a share of the forwards' fixed cost. The decode loop runs
+c0 + cs · rows + cd · drafts + cf), plus a share of the forwards' fixed cost. The decode loop runs
 until its slowest slot is done, so a reused token removes a forward only where it shortens the
 longest tail: c_token = cs + (a − cs) · f, a being decoding's average seconds per token (cs plus
 c0 spread over the tokens) and f the share of the loop's forwards reuse removes per share of the
