@@ -27,6 +27,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import json
+import math
 import os
 import random
 import time
@@ -277,7 +278,10 @@ def timing_warnings(result: dict[str, Any], load: dict[str, list[float]], cores:
     (1-minute load average ≥ half the cores), busier than the runs themselves make it (≥ 1.5x
     the cores after a run), an arm whose first epoch (nothing to reuse yet: the same work as
     vanilla's) took a different time, or an arm faster per response token than its own limit
-    `1 / ((1 − a) + r_eff · a)`, which only a disturbed vanilla arm produces."""
+    `1 / ((1 − a) + r_eff · a)`, which only a disturbed vanilla arm produces. The last two only
+    where the difference is also beyond two standard errors of the arms' paired steps: within
+    them it is the steps' own noise (short steps on a busy host), which the windows' "± se"
+    states."""
     warnings = []
     if load["start"][0] >= cores / 2:
         warnings.append(
@@ -294,7 +298,9 @@ def timing_warnings(result: dict[str, Any], load: dict[str, list[float]], cores:
     first = result["arms"]["vanilla"]["epoch0_rollout_s"]
     for arm, summary in result["arms"].items():
         apart = summary["epoch0_rollout_s"] / first - 1 if first else 0.0
-        if arm != "vanilla" and abs(apart) > EPOCH0_TOLERANCE:
+        log_se = summary.get("epoch0_log_ratio_se")
+        beyond_noise = log_se is None or abs(math.log1p(apart)) > 2 * log_se
+        if arm != "vanilla" and abs(apart) > EPOCH0_TOLERANCE and beyond_noise:
             warnings.append(
                 f"the {arm} arm's first epoch, the same work as vanilla's, took "
                 f"{summary['epoch0_rollout_s']:.1f} s against {first:.1f} s ({apart:+.0%}): the "
@@ -304,11 +310,14 @@ def timing_warnings(result: dict[str, Any], load: dict[str, list[float]], cores:
             )
         # the limit holds per response token: arms that train apart sample responses of their
         # own lengths (on a real model, visibly)
-        speedup = summary["rollout_speedup"] * summary["response_tokens"] / max(vanilla_tokens, 1)
-        if arm != "vanilla" and speedup > 1.02 * summary["limit_speedup"]:
+        per_token = summary["response_tokens"] / max(vanilla_tokens, 1)
+        speedup = summary["rollout_speedup"] * per_token
+        se = (summary.get("rollout_speedup_se") or 0.0) * per_token
+        limit = summary["limit_speedup"]
+        if arm != "vanilla" and speedup > 1.02 * limit and speedup - 2 * se > limit:
             warnings.append(
                 f"the {arm} arm's rollout speedup per response token {speedup:.2f} exceeds its "
-                f"limit {summary['limit_speedup']:.2f}: the vanilla arm was slowed by something "
+                f"limit {limit:.2f}: the vanilla arm was slowed by something "
                 "else; rerun alone"
             )
     return warnings

@@ -56,8 +56,17 @@ def summarize(
             "rollout_time_s": total.rollout_s,
             "step_time_s": step_time[arm],
             "rollout_speedup": totals["vanilla"].rollout_s / total.rollout_s,
+            # the run's ratio of vanilla's step rollout times to the arm's: its standard error
+            "rollout_speedup_se": _scaled(
+                totals["vanilla"].rollout_s / total.rollout_s,
+                _paired_log_se(steps[arm], steps["vanilla"]),
+            ),
             # epoch 0 has nothing to reuse: the same work in every arm, a check of the machine
             "epoch0_rollout_s": _total(_epochs(steps[arm], 0, 0), "timing_s/rollout"),
+            # the standard error of its log ratio to vanilla's, steps paired
+            "epoch0_log_ratio_se": _paired_log_se(
+                _epochs(steps[arm], 0, 0), _epochs(steps["vanilla"], 0, 0)
+            ),
             "rollout_speedup_after_epoch0": _total(_epochs(steps["vanilla"], 1), "timing_s/rollout")
             / max(_total(_epochs(steps[arm], 1), "timing_s/rollout"), 1e-9),
             "step_speedup": step_time["vanilla"] / step_time[arm],
@@ -199,17 +208,14 @@ def _windows(
         total = RolloutStats.of_steps(mine)
         rollout_s = _total(mine, "timing_s/rollout")
         speedup = _total(theirs, "timing_s/rollout") / max(rollout_s, 1e-9)
-        log_se = _standard_error([
-            math.log(v["timing_s/rollout"] / m["timing_s/rollout"])
-            for m, v in zip(mine, theirs, strict=True)
-        ])  # fmt: skip
+        log_se = _paired_log_se(mine, theirs)
         out.append(
             {
                 "steps": f"{first}-{end}",
                 "rollout_s": rollout_s,
                 "vanilla_rollout_s": _total(theirs, "timing_s/rollout"),
                 "rollout_speedup": speedup,
-                "rollout_speedup_se": None if log_se is None else speedup * log_se,
+                "rollout_speedup_se": _scaled(speedup, log_se),
                 "reused_token_ratio": total.ratios()["spec/reused_token_ratio"],
                 "response_tokens_per_step": total.response_tokens / max(len(mine), 1),
                 "trie_nodes_stored_per_step": total.trie_nodes_stored / max(len(mine), 1),
@@ -274,9 +280,23 @@ def _total(steps: list[dict[str, float]], key: str) -> float:
     return float(sum(m.get(key, 0.0) for m in steps))
 
 
+def _paired_log_se(mine: list[dict[str, float]], theirs: list[dict[str, float]]) -> float | None:
+    """The standard error of the mean log ratio of two arms' rollout seconds, their steps paired
+    in order (None for fewer than two)."""
+    return _standard_error([
+        math.log(v["timing_s/rollout"] / m["timing_s/rollout"])
+        for m, v in zip(mine, theirs, strict=True)
+    ])  # fmt: skip
+
+
 def _standard_error(values: Sequence[float]) -> float | None:
     """Of the mean of `values` (None for fewer than two)."""
     return statistics.stdev(values) / math.sqrt(len(values)) if len(values) > 1 else None
+
+
+def _scaled(ratio: float, log_se: float | None) -> float | None:
+    """A ratio's standard error from that of its log."""
+    return None if log_se is None else ratio * log_se
 
 
 def _mean(values: Sequence[float | None]) -> float | None:

@@ -39,8 +39,9 @@ export PYTHONUNBUFFERED=1
 if [ "$dry" = 1 ]; then
   device=cpu
   build=(--hidden-size 32 --layers 1 --heads 2 --sft-steps 20)
+  # two epochs of two steps: the second reuses the first's rollouts
   run=(data.train_size=8 data.val_size=8 data.train_batch_size=4 rollout.n=2
-       actor.ppo_mini_batch_size=4 trainer.total_training_steps=2 trainer.test_freq=2
+       actor.ppo_mini_batch_size=4 trainer.total_training_steps=4 trainer.test_freq=4
        trainer.num_threads=1 rollout.static_decode=true)
   project_device=h100
 else
@@ -76,8 +77,9 @@ if [ -n "${PROFILE_ARMS-vanilla,trie,spec+tree}" ]; then
     --arms "${PROFILE_ARMS-vanilla,trie,spec+tree}" --steps "1,$((per_epoch + 1))" \
     --python-steps "$((per_epoch + 2))" model.path="$policy" "${run[@]}"
 fi
-"$python" -m specrl bench --out "$out/bench" --arms "${ARMS:-vanilla,spec,trie,trie+tree,spec+tree}" \
-  model.path="$policy" trainer.logger=[jsonl] "${run[@]}"
+# the arms take turns step by step: each window of every arm is timed over the same minutes
+"$python" -m specrl bench --interleave --out "$out/bench" \
+  --arms "${ARMS:-vanilla,spec,trie,trie+tree,spec+tree}" model.path="$policy" trainer.logger=[jsonl] "${run[@]}"
 "$python" -m specrl project "$out/bench" --device "$project_device" \
   --model "$policy/config.json" --stretch 1,20
 echo "load average at end: $(cut -d' ' -f1-3 /proc/loadavg)" | tee -a "$out/machine.txt"

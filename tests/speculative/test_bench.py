@@ -42,6 +42,8 @@ def test_bench_trains_every_arm_and_writes_json_and_plot(tiny_policy_dir, tmp_pa
     assert set(result["arms"]) == set(arms)
     arms = result["arms"]
     assert arms["spec"]["rollout_speedup"] == result["rollout_speedup"]
+    # the noise of the arms' paired steps: 4 steps over the run, 2 in epoch 0
+    assert arms["trie"]["rollout_speedup_se"] > 0 and arms["trie"]["epoch0_log_ratio_se"] >= 0
     # the spec arm is speculative rollouts as configured: by default its tail has tree drafts
     for arm in ("spec", "tree", "spec+tree"):
         assert arms[arm]["accepted_draft_tokens"] > 0 and arms[arm]["tokens_per_forward"] > 1
@@ -121,8 +123,10 @@ def test_bench_pools_seeds(tiny_policy_dir, tmp_path):
 
 
 def test_timings_of_a_disturbed_bench_are_flagged():
-    """A busy machine at the start, a load beyond what the runs make, and an arm faster than
-    its own limit are each named; a quiet bench within its limits gets no warning."""
+    """A busy machine at the start, a load beyond what the runs make, an arm's first epoch apart
+    from vanilla's and an arm faster than its own limit are each named, the last two when they
+    are beyond the noise of the arms' paired steps; a quiet bench within its limits gets no
+    warning."""
     from specrl.bench import timing_warnings
 
     quiet = {"start": [0.1, 0.5, 1.0], "vanilla seed 1": [2.0, 1.9, 1.5]}
@@ -150,6 +154,12 @@ def test_timings_of_a_disturbed_bench_are_flagged():
     assert (
         "trie arm's rollout speedup per response token 2.03 exceeds its limit 1.79" in warnings[3]
     )
+    # the same differences with the standard errors of their paired steps: beyond two of them
+    # they are named; within two, they are the steps' noise
+    measured = {**impossible["trie"], "epoch0_log_ratio_se": 0.3, "rollout_speedup_se": 0.05}
+    assert len(timing_warnings({"arms": {**arms, "trie": measured}}, quiet, 2)) == 2
+    noisy = {**impossible["trie"], "epoch0_log_ratio_se": 0.5, "rollout_speedup_se": 0.2}
+    assert timing_warnings({"arms": {**arms, "trie": noisy}}, quiet, 2) == []
 
 
 def test_a_windows_speedup_comes_with_the_standard_error_of_its_paired_steps():
