@@ -83,6 +83,7 @@ def summarize(
             "trie_nodes_per_step": total.trie_nodes / per_step,
             "verify_cost_per_reused_token": r_eff,
             "limit_speedup": 1.0 / ((1.0 - a) + (r_eff or 0.0) * a),
+            "verify_free_speedup": _verify_free_speedup(steps[arm], steps["vanilla"]),
             "slowest_slot_forwards_per_step": total.slowest_forwards / per_step,
             "engine_time_s": total.engine_s,
             "perf": total.compute.metrics(),  # the engine's forwards, summed over the steps
@@ -198,7 +199,11 @@ def _windows(
     trie's nodes stored, verified and prompts skipped per step (the budget's decisions). The
     speedup's standard error is that of the mean log ratio of the arms' steps, paired step by
     step (each seed's steps in order): the machine's noise, and how the ratio varies over the
-    window, in one figure."""
+    window, in one figure. What verification cost, and what a budget could still gain:
+    `verify_free_speedup` is the speedup had verification taken no time (its forwards, walks
+    and host work; the prompts' prefill, which a trie pass includes, at vanilla's cost), at the
+    reuse the arm got; `reachable_token_ratio` the share of the response tokens a walk of the
+    whole tries would have reused (what the budget's pruning left)."""
     last = int(max((m["training/global_step"] for m in steps), default=0))
     out = []
     for first in range(1, last + 1, window):
@@ -207,16 +212,21 @@ def _windows(
         theirs = [m for m in vanilla if first <= m["training/global_step"] <= end]
         total = RolloutStats.of_steps(mine)
         rollout_s = _total(mine, "timing_s/rollout")
-        speedup = _total(theirs, "timing_s/rollout") / max(rollout_s, 1e-9)
+        vanilla_s = _total(theirs, "timing_s/rollout")
+        speedup = vanilla_s / max(rollout_s, 1e-9)
         log_se = _paired_log_se(mine, theirs)
         out.append(
             {
                 "steps": f"{first}-{end}",
                 "rollout_s": rollout_s,
-                "vanilla_rollout_s": _total(theirs, "timing_s/rollout"),
+                "vanilla_rollout_s": vanilla_s,
                 "rollout_speedup": speedup,
                 "rollout_speedup_se": _scaled(speedup, log_se),
+                "verify_s": total.verify_s,
+                "verify_free_speedup": _verify_free_speedup(mine, theirs),
                 "reused_token_ratio": total.ratios()["spec/reused_token_ratio"],
+                "reachable_token_ratio": total.trie_reachable_tokens
+                / max(total.response_tokens, 1),
                 "response_tokens_per_step": total.response_tokens / max(len(mine), 1),
                 "trie_nodes_stored_per_step": total.trie_nodes_stored / max(len(mine), 1),
                 "trie_nodes_per_step": total.trie_nodes / max(len(mine), 1),
@@ -243,12 +253,21 @@ def window_lines(result: dict[str, Any]) -> list[str]:
                     if w["rollout_speedup_se"] is not None
                     else ""
                 )
-                + "), reuse "
-                f"{w['reused_token_ratio']:.3f}, trie nodes verified/stored per step "
+                + f"), verification {w['verify_s']:.1f} s (verification-free "
+                f"{w['verify_free_speedup']:.2f}x), reuse {w['reused_token_ratio']:.3f} of "
+                f"{w['reachable_token_ratio']:.3f} reachable, trie nodes verified/stored per step "
                 f"{w['trie_nodes_per_step']:.0f}/{w['trie_nodes_stored_per_step']:.0f}, "
-                f"prompts skipped {w['trie_prompts_skipped']}"
+                f"prompts skipped {w['trie_prompts_skipped']:.0f}"
             )
     return lines
+
+
+def _verify_free_speedup(mine: list[dict[str, float]], vanilla: list[dict[str, float]]) -> float:
+    """Vanilla's rollout seconds over the arm's had its verification taken none (its forwards,
+    walks and host work), the prompts' prefill (inside a trie pass) at vanilla's cost."""
+    arm, theirs = RolloutStats.of_steps(mine), RolloutStats.of_steps(vanilla)
+    free_s = arm.rollout_s - arm.verify_s - arm.compute.prefill_seconds
+    return theirs.rollout_s / max(free_s + theirs.compute.prefill_seconds, 1e-9)
 
 
 def _epochs(steps: list[dict[str, float]], first: int, last: float = math.inf) -> list[dict]:

@@ -44,6 +44,9 @@ def test_bench_trains_every_arm_and_writes_json_and_plot(tiny_policy_dir, tmp_pa
     assert arms["spec"]["rollout_speedup"] == result["rollout_speedup"]
     # the noise of the arms' paired steps: 4 steps over the run, 2 in epoch 0
     assert arms["trie"]["rollout_speedup_se"] > 0 and arms["trie"]["epoch0_log_ratio_se"] >= 0
+    # what the trie arm's verification cost: without it, faster; vanilla verifies nothing
+    assert arms["trie"]["verify_free_speedup"] > arms["trie"]["rollout_speedup"]
+    assert arms["vanilla"]["verify_free_speedup"] == pytest.approx(1.0)
     # the spec arm is speculative rollouts as configured: by default its tail has tree drafts
     for arm in ("spec", "tree", "spec+tree"):
         assert arms[arm]["accepted_draft_tokens"] > 0 and arms[arm]["tokens_per_forward"] > 1
@@ -178,6 +181,24 @@ def test_a_windows_speedup_comes_with_the_standard_error_of_its_paired_steps():
     assert windows[1]["rollout_speedup"] == 1.2 and windows[1]["rollout_speedup_se"] is None
     lines = window_lines({"arms": {"trie": {"windows": windows}}})
     assert "(1.00x ± 0.07)" in lines[0] and "(1.20x)" in lines[1]
+
+
+def test_a_window_says_what_its_verification_cost():
+    """10 s of rollouts, 3 s of them verifying (the prompts' 1 s of prefill inside, vanilla's
+    0.5 s): free, the window would have taken 7.5 s against vanilla's 15 s: 2x, 1.5x measured.
+    60 of 100 response tokens reachable, 40 reused."""
+    from specrl.bench_summary import _windows, window_lines
+
+    def step(rollout, verify, prefill, reused):
+        return {"training/global_step": 1, "timing_s/rollout": rollout, "timing_s/verify": verify,
+                "timing_s/forward/prefill": prefill, "spec/response_tokens": 100,
+                "spec/reused_tokens": reused, "spec/trie/reachable_tokens": 60 if reused else 0}  # fmt: skip
+
+    (window,) = _windows([step(10, 3, 0, 40)], [step(15, 0, 0.5, 0)], 8)
+    assert window["rollout_speedup"] == 1.5 and window["verify_s"] == 3
+    assert window["verify_free_speedup"] == pytest.approx(2.0)
+    assert window["reused_token_ratio"] == 0.4 and window["reachable_token_ratio"] == 0.6
+    assert "verification-free 2.00x" in window_lines({"arms": {"trie": {"windows": [window]}}})[0]
 
 
 def test_interleaved_arms_train_as_they_do_one_after_another(tiny_policy_dir, tmp_path):

@@ -1,0 +1,47 @@
+"""A finished bench's per-window figures computed again from its arms' metrics.jsonl, as the
+bench's code computes them now (`bench_summary._windows`): for benches committed before a figure
+existed, such as the verification-free speedup and the reachable token ratio.
+
+    python benchmarks/bench_windows.py BENCH_DIR [--window 8] [--out FILE]
+
+Reads BENCH_DIR/ARM/metrics.jsonl (one seed); prints each speculative arm's windows, then the
+whole run as one window, as `specrl bench` prints them; `--out` writes them as JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from specrl.bench_summary import _train_steps, _windows, window_lines
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("bench", type=Path)
+    parser.add_argument("--window", type=int, default=8)
+    parser.add_argument("--out", type=Path)
+    args = parser.parse_args()
+    steps = {
+        path.parent.name: _train_steps([json.loads(line) for line in path.open() if line.strip()])
+        for path in sorted(args.bench.glob("*/metrics.jsonl"))
+    }
+    vanilla = steps.pop("vanilla")
+    arms = {
+        arm: {
+            "windows": _windows(mine, vanilla, args.window),
+            "run": _windows(mine, vanilla, len(vanilla))[0],
+        }
+        for arm, mine in steps.items()
+    }
+    for line in window_lines(
+        {"arms": {a: {"windows": [*w["windows"], w["run"]]} for a, w in arms.items()}}
+    ):
+        print(line)
+    if args.out:
+        args.out.write_text(json.dumps({"window": args.window, "arms": arms}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
