@@ -27,6 +27,8 @@ def main() -> None:
         path.parent.name: _train_steps([json.loads(line) for line in path.open() if line.strip()])
         for path in sorted(args.bench.glob("*/metrics.jsonl"))
     }
+    if "vanilla" not in steps:
+        raise SystemExit(f"{args.bench}: no vanilla/metrics.jsonl (a one-seed bench's folder)")
     vanilla = steps.pop("vanilla")
     arms = {
         arm: {

@@ -13,7 +13,7 @@ from specrl.engines.accounting import ForwardCounts
 from specrl.engines.hf import HFEngine
 from specrl.rollouts import sample_rollouts
 from specrl.speculative.drafting import DraftWidth
-from specrl.speculative.reuse.budget import TrieBudget
+from specrl.speculative.reuse.budget import DRIFT_BUCKETS, TrieBudget, drift_bucket
 from specrl.speculative.reuse.trie import reachable
 from specrl.speculative.stage import SpeculativeStage
 from specrl.speculative.tree import PromptTree
@@ -158,13 +158,46 @@ def test_the_budget_verifies_the_nodes_enough_walkers_are_expected_to_reach():
     selection = budget.select(tree, 4)
     assert selection.nodes == path  # 4 · 0.9^d · count / 5 > 1: the nodes two or more share
     assert selection.expected_tokens == pytest.approx(4 * (4 * 0.9 + 3 * 0.81 + 2 * 0.729) / 5)
-    budget.observe_walks(1.0, 4.0)  # one move taken of four predicted: ρ = (1 + 0.9) / (4 + 1)
-    assert budget.drift == pytest.approx(0.38)
+    # one move taken of four predicted along branches more than one response took (the path's
+    # kind of move, 5): ρ = (1 + 0.9) / (4 + 1) there, and over all moves
+    budget.observe_walks(walked({5: (1.0, 4.0)}))
+    assert budget.drift == pytest.approx(0.38) and budget.drifts[5] == pytest.approx(0.38)
     assert budget.select(tree, 4).nodes == path[:1]  # 4 · 0.38 · 4/5 > 1 > 4 · 0.38² · 3/5
     for _ in range(60):  # no history walked for a while: the evidence decays, ρ returns to 0.9
-        budget.observe_walks(0.0, 0.0)
+        budget.observe_walks(walked({}))
     assert budget.drift == pytest.approx(0.9, abs=1e-3) and budget.select(tree, 4).nodes == path
     assert TrieBudget(enabled=False).select(tree, 1).nodes == list(range(1, tree.nodes + 1))
+
+
+def walked(moves: dict[int, tuple[float, float]]) -> np.ndarray:
+    """[moves taken, moves predicted] by kind of move, as `reachable` adds them up."""
+    out = np.zeros((2, DRIFT_BUCKETS))
+    for kind, (taken, predicted) in moves.items():
+        out[:, kind] = taken, predicted
+    return out
+
+
+def test_each_kind_of_move_has_its_own_drift():
+    """A branch one earlier response took is walked less often than its share says (of the
+    branches a few samples show, the rare ones were lucky to be seen): its drift, fitted apart,
+    prunes such branches and the chains below them, and leaves the branches more responses took
+    as they were."""
+    tree = trie_of(RESPONSES)  # [9, 9, 9, 9, 9]: 1 of 5 responses, then its only way on
+    nines = [tree.children[0][9]]
+    while tree.children[nines[-1]]:
+        nines.append(tree.children[nines[-1]][9])
+    path = [tree.children[0][3]]  # [3], [3, 4], [3, 4, 5]: 4 of 5, 3 of 4, 2 of 3
+    path += [tree.children[path[-1]][4], tree.children[tree.children[path[-1]][4]][5]]
+    assert drift_bucket(5, 1) == 4 and drift_bucket(1, 1) == 0 and drift_bucket(5, 4) == 5
+    assert drift_bucket(3, 3) == 2 and drift_bucket(7, 7) == 3 and drift_bucket(4, 2) == 5
+    budget = TrieBudget()
+    budget.observe_verify(1.0, 1)
+    budget.observe_decode(1.0, 1)
+    before = budget.select(tree, 10).nodes  # 10 · 0.9 · 1/5 · 0.9^k > 1 down the nines
+    assert set(nines) | set(path) | {tree.children[path[0]][8]} <= set(before)
+    budget.observe_walks(walked({4: (0.0, 9.0)}))  # such branches: nine predicted, none taken
+    assert budget.drifts[4] == pytest.approx(0.09) and budget.drifts[5] == 0.9
+    assert budget.select(tree, 10).nodes == path  # 10 · 0.9 · 4/5 · 0.09 · 1/4 < 1: not [3, 8]
 
 
 def test_before_its_first_pass_the_budget_prices_a_node_as_a_prefilled_position():
@@ -210,14 +243,29 @@ def test_where_a_response_lands_in_its_trie_as_the_step_found_it():
     """A walk of the whole trie in hindsight: the response's leading tokens on a path of the
     nodes that existed (ids below len(count)), and the moves the counts then predicted."""
     tree = trie_of([*RESPONSES, [3]])  # [3] stopped at its length: 1 of [3]'s 5 went no further
+
+    def landed(response):
+        moves = np.zeros((2, DRIFT_BUCKETS))
+        return reachable(tree, seen, response, moves), moves
+
     seen = tree.snapshot()
-    assert reachable(tree, seen, [3, 4, 5, EOS]) == (4, 1.0 + 4 / 5 + 1.0 + 1.0)
-    assert reachable(tree, seen, [3, 8, 1]) == (2, 1.0 + 4 / 5)  # [3, 8] has no children
-    assert reachable(tree, seen, [7, 3]) == (0, 1.0)
+    # predicted at the root 5/6 to [3] and 1/6 to [9], then 3/5 to [3, 4] and 1/5 to [3, 8],
+    # 2/3 and 1/3 below [3, 4], 1/2 to each child of [3, 4, 5]: the moves taken along branches
+    # more than one response took, and one down a branch only one took
+    reached, moves = landed([3, 4, 5, EOS])
+    assert reached == 4 and moves.sum(1).tolist() == pytest.approx([4, 1.0 + 4 / 5 + 1.0 + 1.0])
+    assert moves[:, 5].tolist() == pytest.approx([3, 5 / 6 + 3 / 5 + 2 / 3])
+    assert moves[:, 4].tolist() == pytest.approx([1, 1 / 6 + 1 / 5 + 1 / 3 + 1 / 2 + 1 / 2])
+    reached, moves = landed([3, 8, 1])  # [3, 8] has no children
+    assert reached == 2 and moves.sum(1).tolist() == pytest.approx([2, 1.0 + 4 / 5])
+    reached, moves = landed([7, 3])
+    assert reached == 0 and moves.sum(1).tolist() == pytest.approx([0, 1.0])
     tree.insert([3, 4, 5, 7, 7])  # a response of this step (online trees): not in the history
     tree.insert([3])  # and one that ends where history went on
-    assert reachable(tree, seen, [3, 4, 5, 7, 7]) == (3, 1.0 + 4 / 5 + 1.0 + 1.0)
-    assert reachable(tree, seen, [3, 4, 5, EOS]) == (4, 1.0 + 4 / 5 + 1.0 + 1.0)
+    reached, moves = landed([3, 4, 5, 7, 7])
+    assert reached == 3 and moves.sum(1).tolist() == pytest.approx([3, 1.0 + 4 / 5 + 1.0 + 1.0])
+    reached, moves = landed([3, 4, 5, EOS])
+    assert reached == 4 and moves.sum(1).tolist() == pytest.approx([4, 1.0 + 4 / 5 + 1.0 + 1.0])
 
 
 def test_a_reused_token_is_priced_by_the_decode_forwards_its_reuse_removes():

@@ -4,49 +4,54 @@ against what reusing one saves (`VerifyCosts`).
 
 **Tries.**
 Verifying node v costs one position of a trie pass (c_node seconds); it saves one decoded token
-(c_token seconds) for every slot whose walk reaches v. The walk follows the current policy, and
-the trie already holds an estimate of where it goes: the responses of earlier rollouts, sampled by
-earlier policies. A walker at node u moves to child c with probability ≈ ρ · count[c] / count[u]
-(the share of u's earlier responses that went on to c), where ρ ≤ 1, the drift, is fitted online
-from where each call's responses landed in their tries as the call found them (how often a
-response that stood at a node with children went on to one of them, against what the counts
-predicted). A response is what its walk and decoding drew, so this is a walk of the whole trie
-in hindsight: the evidence covers every node, verified or not, and comes every call, also when
-nothing was verified. Down a path the factors telescope:
+(c_token seconds) for every slot whose walk reaches v. The walk follows the current policy, and the
+trie already holds an estimate of where it goes: the responses of earlier rollouts, sampled by
+earlier policies. A walker at node u moves to child c with probability ≈ ρ_k · count[c] / count[u]
+(the share of u's earlier responses that went on to c), where ρ_k ≤ 1, the drift of that kind of
+move (`drift_bucket`), is fitted online from where each call's responses landed in their tries as
+the call found them (how often a response that stood at a node went on to each kind of child,
+against what the counts predicted). The kinds: c is u's only way on so far, held by 1, 2, 3 or more
+responses (a count of one is one sample of where the policy goes); or c is a branch one response
+took, or more did. Rare branches need their own: of the branches a few samples show, the rare ones
+were lucky to be seen (the shipped task: ρ 0.715 for branches one response took, 0.95-1.0 for the
+only way on, `benchmarks/cpu-hf-noisy-facts-trie-drift-kinds`). A response is what its walk and
+decoding drew, so this is a walk of the whole trie in hindsight: the evidence covers every node,
+verified or not, and comes every call, also when nothing was verified. Down a path the factors
+telescope:
 
-    E[walkers reaching v] = W · ρ^depth(v) · count[v] / count[root]        (W: the prompt's walkers)
+    E[walkers reaching v] = W · Π ρ_k over the moves to v · count[v] / count[root]   (W: walkers)
 
 v is verified when that times c_token exceeds c_node. The rule keeps a subtree: along a path the
-count never grows and ρ ≤ 1, so a node that pays has parents that pay. A pruned child is where a
+count never grows and ρ_k ≤ 1, so a node that pays has parents that pay. A pruned child is where a
 walk leaves the trie, and decoding goes on from there with the slot's own uniforms: the rollouts
 are the same tokens (or, off the transformers engine, the same distribution) as without a budget.
 
-Both costs are measured on the engine's own calls, as wall seconds: c_node is a trie pass's
-seconds per position it computed (prompt and nodes: a pass prefills its prompts, which decoding
-then reuses). c_token is what a reused token saves decoding: one row of forwards that run anyway
-(cs, `DraftWidth`'s per-sequence cost, fitted to every decode forward of the engine as
-c0 + cs · rows + cd · drafts + cf), plus a share of the forwards' fixed cost. The decode loop runs
-until its slowest slot is done, so a reused token removes a forward only where it shortens the
-longest tail: c_token = cs + (a − cs) · f, a being decoding's average seconds per token (cs plus
-c0 spread over the tokens) and f the share of the loop's forwards reuse removes per share of the
-tokens it reuses. f is measured in hindsight on every call, over all its slots: F the longest
-response, F' the longest that would have been left to decode after walks of the whole tries, H of
-the T response tokens reusable: f = ((F − F') / F) / (H / T), decayed, at most 1; before any
-evidence, f is r, the share of the prompt's tokens its walks are expected to reuse were every
-node verified (Σ ρ^depth · count over Σ count). Early in RL a few slots reuse a little and
-F' = F: f ≈ 0 and a node pays only the rows it saves (SmolLM2-135M on 2 CPU cores: c0 ≈ 80 ms,
-cs ≈ 2.5 ms, c_node ≈ 2.5-3.5 ms, so only nodes most of a prompt's slots reach). On an engine
-that decodes as CUDA graphs a row costs nothing (`rows_free`: a bucket's graph computes all its
-rows), so cs = 0 and nothing is verified until reuse shortens the loop; elsewhere, until cs is
-fitted (too little spread in the forwards' batch sizes), c_token is a. Until a verification pass has
-been timed, c_node is the engine's prefill seconds per position (a pass computes its positions as a
-prefill does; decoding's prefills are timed from the first call on). All evidence decays by `decay`
-per call. ρ has a prior of one predicted move, 0.9 of it taken: before any walk, the policy is taken
-to have moved from its history, so the first pass verifies the nodes within a few tokens of the
-roots and those many responses share, and the evidence decides how deep later passes go (on a real
-model early in RL a first pass of every node cost half a step's decoding; on the shipped task the
-first pass, at 0.9, still reuses about half of what the next ones do). Until both costs have been
-measured (on an engine that does not time its prefills, until its first pass) every node is
+Both costs are measured on the engine's own calls, as wall seconds: c_node is a trie pass's seconds
+per position it computed (prompt and nodes: a pass prefills its prompts, which decoding then
+reuses). c_token is what a reused token saves decoding: one row of forwards that run anyway (cs,
+`DraftWidth`'s per-sequence cost, fitted to every decode forward of the engine as c0 + cs · rows +
+cd · drafts + cf), plus a share of the forwards' fixed cost. The decode loop runs until its slowest
+slot is done, so a reused token removes a forward only where it shortens the longest tail: c_token
+= cs + (a − cs) · f, a being decoding's average seconds per token (cs plus c0 spread over the
+tokens) and f the share of the loop's forwards reuse removes per share of the tokens it reuses. f
+is measured in hindsight on every call, over all its slots: F the longest response, F' the longest
+that would have been left to decode after walks of the whole tries, H of the T response tokens
+reusable: f = ((F − F') / F) / (H / T), decayed, at most 1; before any evidence, f is r, the share
+of the prompt's tokens its walks are expected to reuse were every node verified (Σ E[walkers
+reaching v] over W · Σ count[v] / count[root]). Early in RL a few slots reuse a little and F' = F:
+f ≈ 0 and a node pays only the rows it saves (SmolLM2-135M on 2 CPU cores: c0 ≈ 80 ms, cs ≈ 2.5 ms,
+c_node ≈ 2.5-3.5 ms, so only nodes most of a prompt's slots reach). On an engine that decodes as
+CUDA graphs a row costs nothing (`rows_free`: a bucket's graph computes all its rows), so cs = 0
+and nothing is verified until reuse shortens the loop; elsewhere, until cs is fitted (too little
+spread in the forwards' batch sizes), c_token is a. Until a verification pass has been timed,
+c_node is the engine's prefill seconds per position (a pass computes its positions as a prefill
+does; decoding's prefills are timed from the first call on). All evidence decays by `decay` per
+call. Each ρ_k has a prior of one predicted move, 0.9 of it taken: before any walk, the policy is
+taken to have moved from its history, so the first pass verifies the nodes within a few tokens of
+the roots and those many responses share, and the evidence decides how deep later passes go (on a
+real model early in RL a first pass of every node cost half a step's decoding; on the shipped task
+the first pass, at 0.9, still reuses about half of what the next ones do). Until both costs have
+been measured (on an engine that does not time its prefills, until its first pass) every node is
 verified. The budget is not checkpointed: a resumed run measures its machine again.
 
 **Drafts** (`reuse=slot`, verified in one pass or in chunks). A slot's draft token j is reused only
@@ -153,6 +158,20 @@ class VerifyCosts:
             self._prefill = self.decay * self._prefill + (seconds, positions)
 
 
+DRIFT_BUCKETS = 6  # the kinds of move ρ is fitted apart for (`drift_bucket`)
+
+
+def drift_bucket(parent_count: int, count: int) -> int:
+    """What kind of move a walker makes from a node `parent_count` earlier responses passed
+    through to a child `count` of them went on to: 0-3, the only way on so far, its count 1, 2,
+    3 or more (one earlier response is one sample of where the policy goes); 4, a branch one
+    response took; 5, a branch more took (a branch seen once among many was likelier than its
+    share to be seen at all)."""
+    if count == parent_count:
+        return min(count, 4) - 1
+    return 4 if count == 1 else 5
+
+
 class TrieBudget(VerifyCosts):
     def __init__(
         self,
@@ -162,16 +181,24 @@ class TrieBudget(VerifyCosts):
         rows_free: bool = False,
     ) -> None:
         super().__init__(enabled, width, decay, rows_free)
-        self._moves = np.zeros(2)  # decayed [moves taken, moves predicted] of whole-trie walks
+        # decayed [moves taken, moves predicted] of whole-trie walks, by kind (`drift_bucket`)
+        self._moves = np.zeros((2, DRIFT_BUCKETS))
         # decayed [forwards removed, forwards, tokens reused, tokens] of the calls' decode
         # loops, had every node been verified
         self._loop = np.zeros(4)
 
     @property
     def drift(self) -> float:
-        """ρ: the walks' moves taken per move the trie's counts predicted (at most 1), from a
-        prior of one predicted move, 0.9 of it taken."""
-        return min(1.0, (self._moves[0] + 0.9) / (self._moves[1] + 1.0))
+        """ρ over all nodes: the walks' moves taken per move the trie's counts predicted (at
+        most 1), from a prior of one predicted move, 0.9 of it taken."""
+        taken, predicted = self._moves.sum(1)
+        return min(1.0, (taken + 0.9) / (predicted + 1.0))
+
+    @property
+    def drifts(self) -> np.ndarray:
+        """ρ of each kind of move (`drift_bucket`), each from the same prior."""
+        taken, predicted = self._moves
+        return np.minimum(1.0, (taken + 0.9) / (predicted + 1.0))
 
     @property
     def loop_factor(self) -> float | None:
@@ -186,8 +213,18 @@ class TrieBudget(VerifyCosts):
         """The nodes of `tree` worth verifying for `walkers` slots (all of them while the costs
         are unknown, or with the budget off)."""
         count = np.asarray(tree.count, dtype=np.float64)
-        depth = np.asarray(tree.depth)
-        reach = walkers * self.drift**depth * count / count[ROOT]
+        parent = np.asarray(tree.parent)
+        parent[ROOT] = ROOT
+        # a walker at u moves on to child v with ≈ ρ(kind of move) · count[v] / count[u]
+        up_count = count[parent]
+        kind = np.where(count == 1, 4, 5)
+        kind = np.where(count == up_count, np.minimum(count, 4) - 1, kind).astype(np.int64)
+        moves = (self.drifts[kind] * count / up_count).tolist()
+        reach = [float(walkers)] * len(count)
+        up = parent.tolist()
+        for v in range(1, len(count)):  # parents come first
+            reach[v] = reach[up[v]] * moves[v]
+        reach = np.asarray(reach)
         reach[ROOT] = 0.0
         # the share of the prompt's tokens the walks are expected to reuse, were all verified
         reuse = (
@@ -204,8 +241,10 @@ class TrieBudget(VerifyCosts):
             nodes = np.flatnonzero(reach * token_cost > node_cost)
         return Selection(nodes.tolist(), float(reach[nodes].sum()))
 
-    def observe_walks(self, moves: float, predicted: float) -> None:
-        self._moves = self.decay * self._moves + (moves, predicted)
+    def observe_walks(self, moves: np.ndarray) -> None:
+        """One call's whole-trie walks (`reachable`): [moves taken, moves predicted] by kind
+        (`drift_bucket`)."""
+        self._moves = self.decay * self._moves + moves
 
     def observe_loop(self, lengths: Sequence[int], reusable: Sequence[int]) -> None:
         """One call's slots (all of them: they share the decode loop): each response's length,

@@ -21,7 +21,7 @@ from specrl.engines import (
 )
 from specrl.engines.sampling import seeded_uniform
 from specrl.speculative.reuse.base import Reuse
-from specrl.speculative.reuse.budget import TrieBudget
+from specrl.speculative.reuse.budget import DRIFT_BUCKETS, TrieBudget, drift_bucket
 from specrl.speculative.slots import Reused, Slot
 from specrl.speculative.stats import RolloutStats
 from specrl.speculative.tree import ROOT, PromptTree, TokenTree
@@ -118,19 +118,17 @@ class TrieReuse(Reuse):
         self.budget.observe_decode(stats.gen_s, sum(len(r.token_ids) for r in results.values()))
         self.budget.observe_prefill(self.engine.counts)
         if self._snapshots:
-            lengths, reusable, predicted = [], [], 0.0
+            lengths, reusable, moves = [], [], np.zeros((2, DRIFT_BUCKETS))
             for i, s in enumerate(slots):
                 response = [*s.kept, *(results[i].token_ids if i in results else ())]
                 seen = self._snapshots.get(s.prompt.prompt_id) if s.may_reuse else None
-                reached, moves = (
-                    (0, 0.0)
-                    if seen is None
-                    else reachable(self.tree.get(s.prompt.prompt_id), seen, response)
-                )
+                reached = 0
+                if seen is not None:
+                    tree = self.tree.get(s.prompt.prompt_id)
+                    reached = reachable(tree, seen, response, moves)
                 lengths.append(len(response))
                 reusable.append(reached)
-                predicted += moves
-            self.budget.observe_walks(sum(reusable), predicted)
+            self.budget.observe_walks(moves)
             self.budget.observe_loop(lengths, reusable)
             stats.trie_reachable_tokens += sum(reusable)
         stats.trie_node_cost_s = self.budget.node_cost or 0.0
@@ -199,23 +197,30 @@ def walk_trie(
 
 
 def reachable(
-    tree: PromptTree, seen: tuple[list[int], list[int]], response: Sequence[int]
-) -> tuple[int, float]:
+    tree: PromptTree,
+    seen: tuple[list[int], list[int]],
+    response: Sequence[int],
+    moves: np.ndarray,
+) -> int:
     """How many leading tokens of `response` are a path of the trie as it stood when the step
-    began (`seen`: its `snapshot` then, the nodes that existed with their counts), and the moves
-    the counts predicted along it (Σ over the nodes passed that had children of the share of
-    their earlier responses that went on to one). With every node verified a walk reuses exactly
-    those tokens: the response is what the walk and decoding drew, so this is a walk of the
-    whole trie in hindsight, whatever the budget verified."""
+    began (`seen`: its `snapshot` then, the nodes that existed with their counts). Adds to
+    `moves` [taken, predicted] by kind of move (`drift_bucket`) the moves along that path and
+    the moves the counts predicted (at each node passed that had children, to each child the
+    share of the node's earlier responses that went on to it). With every node verified
+    a walk reuses exactly those tokens: the response is what the walk and decoding drew, so this
+    is a walk of the whole trie in hindsight, whatever the budget verified."""
     count, continued = seen
-    node, predicted, size = ROOT, 0.0, len(count)
+    node, size = ROOT, len(count)
     for depth, token in enumerate(response):
-        went_on = continued[node]
-        if not went_on:
-            return depth, predicted
-        predicted += went_on / count[node]
+        if not continued[node]:
+            return depth
+        here = count[node]
+        for c in tree.children[node].values():
+            if c < size:
+                moves[1, drift_bucket(here, count[c])] += count[c] / here
         child = tree.children[node].get(token)
         if child is None or child >= size:
-            return depth, predicted
+            return depth
+        moves[0, drift_bucket(here, count[child])] += 1
         node = child
-    return len(response), predicted
+    return len(response)
