@@ -52,15 +52,13 @@ def summarize(
         reused = total.reused_tokens
         r_eff = total.verify_s / reused / decode_s if reused else None
         per_step = len(steps[arm]) or 1
+        speedup = vanilla.rollout_s / total.rollout_s
         summary = {
             "rollout_time_s": total.rollout_s,
             "step_time_s": step_time[arm],
-            "rollout_speedup": totals["vanilla"].rollout_s / total.rollout_s,
+            "rollout_speedup": speedup,
             # the run's ratio of vanilla's step rollout times to the arm's: its standard error
-            "rollout_speedup_se": _scaled(
-                totals["vanilla"].rollout_s / total.rollout_s,
-                _paired_log_se(steps[arm], steps["vanilla"]),
-            ),
+            "rollout_speedup_se": _scaled(speedup, _paired_log_se(steps[arm], steps["vanilla"])),
             # epoch 0 has nothing to reuse: the same work in every arm, a check of the machine
             "epoch0_rollout_s": _total(_epochs(steps[arm], 0, 0), "timing_s/rollout"),
             # the standard error of its log ratio to vanilla's, steps paired

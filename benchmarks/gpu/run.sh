@@ -79,7 +79,8 @@ if [ -n "${PROFILE_ARMS-vanilla,trie,spec+tree}" ]; then
 fi
 # the arms take turns step by step: each window of every arm is timed over the same minutes
 "$python" -m specrl bench --interleave --out "$out/bench" \
-  --arms "${ARMS:-vanilla,spec,trie,trie+tree,spec+tree}" model.path="$policy" trainer.logger=[jsonl] "${run[@]}"
+  --arms "${ARMS:-vanilla,spec,trie,trie+tree,spec+tree}" model.path="$policy" \
+  trainer.logger=[jsonl] "${run[@]}"
 "$python" -m specrl project "$out/bench" --device "$project_device" \
   --model "$policy/config.json" --stretch 1,20
 echo "load average at end: $(cut -d' ' -f1-3 /proc/loadavg)" | tee -a "$out/machine.txt"
