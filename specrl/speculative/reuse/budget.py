@@ -212,31 +212,26 @@ class TrieBudget(VerifyCosts):
     def select(self, tree: PromptTree, walkers: int) -> Selection:
         """The nodes of `tree` worth verifying for `walkers` slots (all of them while the costs
         are unknown, or with the budget off)."""
-        count = np.asarray(tree.count, dtype=np.float64)
-        parent = np.asarray(tree.parent)
-        parent[ROOT] = ROOT
-        # a walker at u moves on to child v with ≈ ρ(kind of move) · count[v] / count[u]
-        up_count = count[parent]
-        kind = np.where(count == 1, 4, 5)
-        kind = np.where(count == up_count, np.minimum(count, 4) - 1, kind).astype(np.int64)
-        moves = (self.drifts[kind] * count / up_count).tolist()
-        reach = [float(walkers)] * len(count)
-        up = parent.tolist()
-        for v in range(1, len(count)):  # parents come first
-            reach[v] = reach[up[v]] * moves[v]
-        reach = np.asarray(reach)
+        counts, up, drifts = tree.count, tree.parent, self.drifts.tolist()
+        reach_of = [float(walkers)] * len(counts)
+        for v in range(1, len(counts)):  # parents come first
+            # a walker at u moves on to child v with ≈ ρ(kind of move) · count[v] / count[u]
+            u = up[v]
+            move = drifts[drift_bucket(counts[u], counts[v])] * counts[v] / counts[u]
+            reach_of[v] = reach_of[u] * move
+        reach = np.asarray(reach_of)
         reach[ROOT] = 0.0
         # the share of the prompt's tokens the walks are expected to reuse, were all verified
         reuse = (
-            float(reach.sum() / (walkers * count[1:].sum() / count[ROOT]))
-            if len(count) > 1
+            float(reach.sum() / (walkers * sum(counts[1:]) / counts[ROOT]))
+            if len(counts) > 1
             else 0.0
         )
         factor = self.loop_factor
         node_cost = self.node_cost
         token_cost = self.token_cost(reuse if factor is None else factor)
         if not self.enabled or node_cost is None or token_cost is None:
-            nodes = np.arange(1, len(count))
+            nodes = np.arange(1, len(counts))
         else:
             nodes = np.flatnonzero(reach * token_cost > node_cost)
         return Selection(nodes.tolist(), float(reach[nodes].sum()))
