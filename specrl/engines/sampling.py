@@ -34,6 +34,7 @@ class RowSampling:
     truncates: bool  # some row keeps only its top-k or top-p tokens
     greedy: bool  # some row is greedy
     tempered: bool  # some row's temperature is neither 1 nor 0 (greedy): logits are divided
+    most_kept: int  # every row keeps at most this many tokens (its top-k); 0: some row may not
 
     @classmethod
     def of(cls, params: Sequence[SamplingParams], device: torch.device | str) -> RowSampling:
@@ -44,12 +45,13 @@ class RowSampling:
             truncates=any(p.top_k > 0 or p.top_p < 1 for p in params),
             greedy=any(p.greedy for p in params),
             tempered=any(p.temperature not in (0.0, 1.0) for p in params),
+            most_kept=max(p.top_k for p in params) if all(p.top_k > 0 for p in params) else 0,
         )
 
     def select(self, index: torch.Tensor) -> RowSampling:
         """The rows `index` (a batch after some sequences left it)."""
         tensors = (t[index] for t in (self.temperature, self.top_k, self.top_p))
-        return RowSampling(*tensors, self.truncates, self.greedy, self.tempered)
+        return RowSampling(*tensors, self.truncates, self.greedy, self.tempered, self.most_kept)
 
     def repeat(self, times: int | torch.Tensor) -> RowSampling:
         """Each row `times` times in a row (one per fed column of a decode forward), or row i
@@ -57,7 +59,7 @@ class RowSampling:
         if isinstance(times, int) and times == 1:
             return self
         tensors = (t.repeat_interleave(times) for t in (self.temperature, self.top_k, self.top_p))
-        return RowSampling(*tensors, self.truncates, self.greedy, self.tempered)
+        return RowSampling(*tensors, self.truncates, self.greedy, self.tempered, self.most_kept)
 
 
 def sampling_logprobs(logits: torch.Tensor, rows: RowSampling) -> torch.Tensor:
@@ -69,7 +71,7 @@ def sampling_logprobs(logits: torch.Tensor, rows: RowSampling) -> torch.Tensor:
         temperature = torch.where(rows.temperature == 0, 1.0, rows.temperature)
         scaled = logits / temperature[:, None]
     if rows.truncates:
-        scaled = _truncate(scaled, rows.top_k, rows.top_p)
+        scaled = _truncate(scaled, rows.top_k, rows.top_p, rows.most_kept)
     logprobs = scaled.log_softmax(-1)  # [B, V]
     if rows.greedy:
         point_mass = torch.full_like(logprobs, float("-inf"))
@@ -78,18 +80,42 @@ def sampling_logprobs(logits: torch.Tensor, rows: RowSampling) -> torch.Tensor:
     return logprobs
 
 
-def _truncate(scaled: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
-    """Mask tokens outside each row's top-k, then outside the top-p mass of what is left."""
-    sorted_logits, order = scaled.sort(-1, descending=True)  # [B, V]
-    rank = torch.arange(scaled.shape[-1], device=scaled.device)[None, :]
+def _truncate(
+    scaled: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, most_kept: int
+) -> torch.Tensor:
+    """Mask tokens outside each row's top-k, then outside the top-p mass of what is left.
+
+    On a CPU, when every row keeps at most `most_kept` tokens, only that many of the largest
+    logits are ranked (`topk`, not a sort of the vocabulary: sorting 128 rows of 49k logits
+    costs more than a 135M model's decode forward there); the mass is computed over the same
+    full row either way, so the mask is the same. Where a kept and a dropped token tie, which
+    of them a ranking puts first decides the mask: then the vocabulary is sorted, as it always
+    is on a GPU (where the check would wait for the device)."""
+    if 0 < most_kept < scaled.shape[-1] and scaled.device.type == "cpu":
+        values, order = scaled.topk(most_kept + 1, -1)  # [B, k + 1], the largest first
+        ranked = torch.full_like(scaled, float("-inf"))  # [B, V], as sorted and masked
+        ranked[:, :most_kept] = values[:, :most_kept]
+        drop = _drop(ranked, top_k, top_p)
+        kept = (~drop[:, : most_kept + 1]).sum(-1, keepdim=True)  # [B, 1]: the first dropped
+        if not bool((values.gather(1, kept) == values.gather(1, kept - 1)).any()):
+            mask = torch.ones_like(drop).scatter(1, order[:, :most_kept], drop[:, :most_kept])
+            return scaled.masked_fill(mask, float("-inf"))
+    ranked, order = scaled.sort(-1, descending=True)  # [B, V]
+    drop = _drop(ranked, top_k, top_p)
+    mask = torch.zeros_like(drop).scatter(1, order, drop)
+    return scaled.masked_fill(mask, float("-inf"))
+
+
+def _drop(ranked: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Which ranks of logits sorted largest first [B, V] fall outside each row's top-k, then
+    outside the top-p mass of what is left."""
+    rank = torch.arange(ranked.shape[-1], device=ranked.device)[None, :]
     drop = (top_k[:, None] > 0) & (rank >= top_k[:, None])
-    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
-    probs = sorted_logits.softmax(-1)
+    probs = ranked.masked_fill(drop, float("-inf")).softmax(-1)
     mass_before = probs.cumsum(-1) - probs  # keep a token while the mass above it is < top_p
     drop = drop | (mass_before >= top_p[:, None])
     drop[:, 0] = False
-    mask = torch.zeros_like(drop).scatter(1, order, drop)
-    return scaled.masked_fill(mask, float("-inf"))
+    return drop
 
 
 def seeded_uniform(seeds: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:

@@ -1,3 +1,6 @@
+import dataclasses
+from unittest import mock
+
 import pytest
 import torch
 from scipy.stats import chisquare
@@ -145,6 +148,38 @@ def test_top_p_keeps_the_smallest_set_reaching_p():
     torch.testing.assert_close(probs, torch.tensor([[0.625, 0.375, 0.0, 0.0]]))
     probs = sampling_logprobs(logits, RowSampling.of([SamplingParams(1.0, top_k=3)], "cpu")).exp()
     torch.testing.assert_close(probs, torch.tensor([[0.5, 0.3, 0.15, 0.0]]) / 0.95)
+
+
+@pytest.mark.parametrize("ties", [False, True], ids=["distinct", "tied"])
+def test_top_k_ranks_only_the_kept_tokens_and_masks_as_a_sort_does(ties):
+    """With a top-k in every row the CPU ranks k + 1 logits, not the vocabulary, and keeps the
+    same tokens as sorting it: top-k alone, with top-p, rows of different k; logits in whole
+    numbers tie at the cut, where the vocabulary is sorted as before."""
+    generator = torch.Generator().manual_seed(0)
+    logits = torch.randn(64, 2048, generator=generator) * 3
+    if ties:
+        logits = logits.round()
+    params = [
+        SamplingParams(1.0, top_k=k, top_p=p)
+        for k, p in [(50, 1.0), (50, 0.9), (5, 0.5), (1, 1.0), (300, 0.95), (1500, 1.0)]
+    ]
+    rows = [params[i % len(params)] for i in range(64)]
+    ranked = RowSampling.of(rows, "cpu")
+    assert ranked.most_kept == 1500
+    sorted_ = dataclasses.replace(ranked, most_kept=0)  # the vocabulary sorted
+    sorts = []
+    sort = torch.Tensor.sort
+
+    def counted_sort(tensor, *args, **kwargs):
+        sorts.append(tensor.shape)
+        return sort(tensor, *args, **kwargs)
+
+    with mock.patch.object(torch.Tensor, "sort", counted_sort):
+        got = sampling_logprobs(logits, ranked)
+    assert bool(sorts) == ties  # distinct logits: no sort
+    want = sampling_logprobs(logits, sorted_)
+    assert torch.equal(got, want)
+    assert ((got > float("-inf")).sum(-1) <= ranked.top_k).all()
 
 
 def test_from_pretrained_loads_a_local_model_directory(tiny_model, tmp_path):
