@@ -31,8 +31,12 @@ pytestmark = [pytest.mark.realmodel, pytest.mark.slow]
 
 @pytest.fixture(scope="module")
 def smollm2(tmp_path_factory):
-    """The converted checkpoint, in a cache of this module's own (the conversion is tested)."""
-    cache = tmp_path_factory.mktemp("specrl-cache")
+    """The converted checkpoint, in a cache of this session's own (the conversion is tested),
+    shared by its pytest workers: the first converts, the others wait for it (`build_once`)."""
+    session = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        session = session.parent  # the workers' base directories are inside the session's
+    cache = session / "specrl-cache-smollm2"
     done = subprocess.run(
         [sys.executable, "-m", "specrl.cli", "model", "smollm2-135m-instruct"],
         env={**os.environ, "SPECRL_CACHE": str(cache)},
