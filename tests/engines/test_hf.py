@@ -8,7 +8,7 @@ from scipy.stats import chisquare
 from specrl.engines import GREEDY, GenRequest, LogprobRequest, SamplingParams
 from specrl.engines.hf import HFEngine
 from specrl.engines.hf.engine import width_batches
-from specrl.engines.sampling import RowSampling, sampling_logprobs, seeded_uniform
+from specrl.engines.sampling import RowSampling, sampling_cdf, sampling_logprobs, seeded_uniform
 from tests.conftest import EOS, PAD, make_tiny_model
 
 PROMPTS = [[3, 4, 5], [6, 7], [2, 3, 4, 5, 6, 7], [8]]
@@ -180,6 +180,16 @@ def test_top_k_ranks_only_the_kept_tokens_and_masks_as_a_sort_does(ties):
     want = sampling_logprobs(logits, sorted_)
     assert torch.equal(got, want)
     assert ((got > float("-inf")).sum(-1) <= ranked.top_k).all()
+
+
+def test_the_sampling_cdf_is_computed_in_a_copy():
+    """The CDF is built in place in one float64 copy: a float64 input is left as it was."""
+    logprobs = torch.randn(4, 50, generator=torch.Generator().manual_seed(0)).log_softmax(-1)
+    for given in (logprobs, logprobs.double()):
+        before = given.clone()
+        cdf = sampling_cdf(given)
+        assert torch.equal(given, before)
+        assert torch.equal(cdf, logprobs.double().exp().cumsum(-1))
 
 
 def test_from_pretrained_loads_a_local_model_directory(tiny_model, tmp_path):
