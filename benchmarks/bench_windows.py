@@ -5,7 +5,9 @@ existed, such as the verification-free speedup and the reachable token ratio.
     python benchmarks/bench_windows.py BENCH_DIR [--window 8] [--out FILE]
 
 Reads BENCH_DIR/ARM/metrics.jsonl (one seed); prints each speculative arm's windows, then the
-whole run as one window, as `specrl bench` prints them; `--out` writes them as JSON.
+whole run as one window, as `specrl bench` prints them; where bench.json has the cost model's
+check of its machine, also the windows' rollouts priced by the work each arm counted on that
+check's constants (`projection.priced_windows`); `--out` writes them as JSON.
 """
 
 from __future__ import annotations
@@ -15,6 +17,8 @@ import json
 from pathlib import Path
 
 from specrl.bench_summary import _train_steps, _windows, window_lines
+from specrl.cost_model import ModelShape
+from specrl.projection import checked_device, priced_window_lines, priced_windows, recorded_steps
 
 
 def main() -> None:
@@ -23,10 +27,11 @@ def main() -> None:
     parser.add_argument("--window", type=int, default=8)
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
-    steps = {
-        path.parent.name: _train_steps([json.loads(line) for line in path.open() if line.strip()])
+    histories = {
+        path.parent.name: [json.loads(line) for line in path.open() if line.strip()]
         for path in sorted(args.bench.glob("*/metrics.jsonl"))
     }
+    steps = {arm: _train_steps(history) for arm, history in histories.items()}
     if "vanilla" not in steps:
         raise SystemExit(f"{args.bench}: no vanilla/metrics.jsonl (a one-seed bench's folder)")
     vanilla = steps.pop("vanilla")
@@ -41,8 +46,20 @@ def main() -> None:
         {"arms": {a: {"windows": [*w["windows"], w["run"]]} for a, w in arms.items()}}
     ):
         print(line)
+    result = {"window": args.window, "arms": arms}
+    bench = json.loads((args.bench / "bench.json").read_text())
+    if "cost_model_check" in bench:
+        priced = priced_windows(
+            {arm: [recorded_steps(history)] for arm, history in histories.items()},
+            ModelShape(**bench["model_shape"]),
+            checked_device(bench["cost_model_check"]),
+            args.window,
+        )
+        for line in priced_window_lines(priced):
+            print(line)
+        result["priced"] = priced
     if args.out:
-        args.out.write_text(json.dumps({"window": args.window, "arms": arms}, indent=1))
+        args.out.write_text(json.dumps(result, indent=1))
 
 
 if __name__ == "__main__":

@@ -48,7 +48,14 @@ from specrl.engines.hf import HFEngine
 from specrl.errors import UserError
 from specrl.models import eos_token_ids, load_policy
 from specrl.plots import plot_metrics
-from specrl.projection import calibrate, check_lines, machine_check, recorded_steps
+from specrl.projection import (
+    calibrate,
+    check_lines,
+    machine_check,
+    priced_window_lines,
+    priced_windows,
+    recorded_steps,
+)
 from specrl.run_dir import heldout_metric
 from specrl.threads import run_threads
 from specrl.trainer import Trainer
@@ -175,8 +182,10 @@ def run_bench(
         log(f"bench: warning: {warning}")
     result["model_shape"] = asdict(shape)
     if engine_kind(cfg.rollout.name).timed_forwards:
-        result["cost_model_check"] = check = _check_cost_model(cfg, runs, shape, model_dir)
+        result["cost_model_check"] = check = _check_cost_model(cfg, runs, shape, model_dir, window)
         for line in check_lines(check):
+            log(f"bench: cost model on this machine: {line}")
+        for line in priced_window_lines(check["windows"]):
             log(f"bench: cost model on this machine: {line}")
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "bench.json").write_text(json.dumps(result, indent=2))
@@ -324,21 +333,31 @@ def timing_warnings(result: dict[str, Any], load: dict[str, list[float]], cores:
 
 
 def _check_cost_model(
-    cfg: Config, runs: dict[str, list[list[dict[str, float]]]], shape: ModelShape, model_dir: Path
+    cfg: Config,
+    runs: dict[str, list[list[dict[str, float]]]],
+    shape: ModelShape,
+    model_dir: Path,
+    window: int,
 ) -> dict[str, Any]:
     """The cost model on this machine: constants from timed forwards of a transformers engine
     on the bench's policy (the arms' threads and device, decoding as they did: at static shapes,
     as CUDA graphs on CUDA, with `rollout.static_decode`), every arm's seconds in forwards
-    predicted from its steps."""
+    predicted from its steps, and per `window` steps (`windows`) its rollout seconds priced by
+    the work it did (`priced_windows`)."""
     policy, tokenizer = load_policy(model_dir, cfg.model.dtype)
     engine = HFEngine(
         policy.eval().to(trainer_device(cfg)), eos_token_ids(policy, tokenizer),
         tokenizer.pad_token_id, cfg.rollout.max_batch_size, cfg.rollout.static_decode,
     )  # fmt: skip
-    steps = {
-        arm: [s for h in histories for s in recorded_steps(h)] for arm, histories in runs.items()
-    }
-    return machine_check(steps, shape, calibrate(engine, shape))
+    per_seed = {arm: [recorded_steps(h) for h in histories] for arm, histories in runs.items()}
+    device = calibrate(engine, shape)
+    check = machine_check(
+        {arm: [s for steps in seeds for s in steps] for arm, seeds in per_seed.items()},
+        shape,
+        device,
+    )
+    check["windows"] = priced_windows(per_seed, shape, device, window)
+    return check
 
 
 def policy_shape(model_dir: Path) -> ModelShape:

@@ -131,6 +131,69 @@ def machine_check(arms: dict[str, Steps], shape: ModelShape, device: Device) -> 
     return out
 
 
+def checked_device(check: dict[str, Any]) -> Device:
+    """The constants a `machine_check` reported (a bench.json's `cost_model_check`) as the
+    `Device` that `calibrate` fitted."""
+    graph_ms = check.get("overhead_ms_per_graph_decode_forward")
+    return Device(
+        "this machine", check["gflops_per_s"] * 1e9, check["gbytes_per_s"] * 1e9,
+        check["overhead_ms_per_forward"] / 1e3, 1.0, 1.0, source=check["calibrated_on"],
+        overlap=False, decode_overhead_s=None if graph_ms is None else graph_ms / 1e3,
+    )  # fmt: skip
+
+
+def priced_windows(
+    runs: dict[str, list[Steps]], shape: ModelShape, device: Device, window: int
+) -> dict[str, list[dict[str, Any]]]:
+    """Per `window` steps and over the run, every speculative arm's rollout seconds with its
+    forwards priced on this machine's constants and its host work as measured, against
+    vanilla's priced the same way: the work each arm did, without the machine's speed, which on
+    a shared CPU moves by ±10% from one step to the next (two arms doing the same work differ
+    by that much). A prediction, not a measurement: it holds as far as the cost model prices
+    both arms' forwards alike (`machine_check`). `runs`: per arm, each seed's steps in order;
+    a window pools the seeds' same steps."""
+
+    def priced(steps: Steps) -> list[float]:
+        return [
+            step_seconds(c.as_computed(), shape, device) + rollout - (c.seconds or engine)
+            for c, engine, rollout in steps
+        ]
+
+    if "vanilla" not in runs:
+        return {}
+    seconds = {arm: [priced(steps) for steps in seeds] for arm, seeds in runs.items()}
+    length = min(len(s) for seeds in seconds.values() for s in seeds)
+    spans = [(first, min(first + window, length)) for first in range(0, length, window)]
+    vanilla = seconds["vanilla"]
+    out: dict[str, list[dict[str, Any]]] = {}
+    for arm, seeds in seconds.items():
+        if arm == "vanilla":
+            continue
+        out[arm] = []
+        labelled = [(first, end, f"{first + 1}-{end}") for first, end in spans]
+        for first, end, label in [*labelled, (0, length, "all")]:
+            mine = sum(sum(s[first:end]) for s in seeds)
+            theirs = sum(sum(s[first:end]) for s in vanilla)
+            out[arm].append({
+                "steps": label,
+                "priced_rollout_s": mine,
+                "vanilla_priced_rollout_s": theirs,
+                "priced_speedup": theirs / mine if mine else None,
+            })  # fmt: skip
+    return out
+
+
+def priced_window_lines(windows: dict[str, list[dict[str, Any]]]) -> list[str]:
+    """`priced_windows`' figures, a line per window."""
+    return [
+        f"{arm} steps {w['steps']}: rollouts priced by their counted work "
+        f"{w['priced_rollout_s']:.1f} s vs vanilla's {w['vanilla_priced_rollout_s']:.1f} s "
+        f"({w['priced_speedup']:.2f}x)"
+        for arm, rows in windows.items()
+        for w in rows
+    ]
+
+
 def check_lines(check: dict[str, Any]) -> list[str]:
     """`machine_check`'s result, a line per arm."""
     return [

@@ -4,6 +4,7 @@ finished bench."""
 
 import json
 import math
+from dataclasses import replace
 
 import pytest
 
@@ -18,6 +19,7 @@ from specrl.cost_model import (
 )
 from specrl.engines.accounting import KINDS, ForwardCounts
 from specrl.errors import UserError
+from specrl.projection import checked_device, machine_check, priced_windows
 from tests.conftest import read_metrics, small_config
 
 
@@ -114,6 +116,41 @@ def test_graph_decode_forwards_get_an_overhead_of_their_own():
     assert abs(step_seconds(counts, shape, one) / calls[0][1] - 1) > 0.05
 
 
+def test_windows_are_priced_by_the_work_counted_not_the_seconds_measured():
+    """Two arms that did the same work are priced alike however differently the machine ran
+    them; fewer decode forwards are priced lower; host work is carried as measured; the
+    constants a check reports give back the device it fitted."""
+    shape, machine = ModelShape.named("qwen2.5-1.5b"), Device("cpu", 2e11, 2e10, 4e-3, 1.0, 1.0)
+
+    def step(forwards: int, measured: float, host: float = 0.1) -> tuple:
+        counts = ForwardCounts()
+        counts.record("decode", 64 * forwards, 64 * forwards, 6400 * forwards, 6400 * forwards,
+                      forwards=forwards)  # fmt: skip
+        counts.add_seconds("decode", measured)
+        return counts, measured + 0.05, measured + host
+
+    vanilla = [step(60, 2.0), step(60, 2.4), step(60, 1.9)]
+    same_work_slower_machine = [step(60, 2.6), step(60, 3.0), step(60, 2.5)]
+    fewer_forwards = [step(60, 2.0), step(30, 1.5), step(30, 0.9, host=0.3)]
+    windows = priced_windows(
+        {"vanilla": [vanilla], "same": [same_work_slower_machine], "fewer": [fewer_forwards]},
+        shape, machine, window=2,
+    )  # fmt: skip
+    assert [w["steps"] for w in windows["same"]] == ["1-2", "3-3", "all"]
+    assert all(w["priced_speedup"] == pytest.approx(1.0) for w in windows["same"])
+    priced = [step_seconds(c, shape, machine) for c, _, _ in fewer_forwards]
+    first, last, run = windows["fewer"]
+    assert first["priced_rollout_s"] == pytest.approx(priced[0] + priced[1] + 0.2)
+    assert last["priced_rollout_s"] == pytest.approx(priced[2] + 0.3)
+    assert run["priced_rollout_s"] == pytest.approx(sum(priced) + 0.5)
+    assert first["priced_speedup"] > 1 and run["vanilla_priced_rollout_s"] == pytest.approx(
+        windows["same"][-1]["vanilla_priced_rollout_s"]
+    )
+    check = machine_check({"vanilla": vanilla}, shape, machine)
+    assert checked_device(check) == replace(machine, name="this machine", overlap=False,
+                                            source=check["calibrated_on"])  # fmt: skip
+
+
 def test_stretched_responses_scale_decoding_and_keep_prefills():
     counts = ForwardCounts()
     counts.record("prefill", 8, 100, 100, 5050)
@@ -149,6 +186,9 @@ def test_bench_checks_the_cost_model_and_project_prices_its_trace(
         assert engine + arm["host_s"] == pytest.approx(arm["measured_rollout_s"])
         seconds = sum(result["arms"][name]["perf"][f"timing_s/forward/{k}"] for k in KINDS)
         assert arm["measured_s"] == pytest.approx(seconds)
+    run = check["windows"]["trie"][-1]  # the windows' whole run: the check's prediction
+    assert run["steps"] == "all" and "vanilla" not in check["windows"]
+    assert run["priced_rollout_s"] == pytest.approx(check["arms"]["trie"]["predicted_rollout_s"])
     steps = [m for m in read_metrics(out / "trie") if m["training/global_step"] > 0]
     perf = result["arms"]["trie"]["perf"]  # bench.json: each arm's forwards summed
     assert perf["perf/verify/forwards"] == sum(m["perf/verify/forwards"] for m in steps) > 0
