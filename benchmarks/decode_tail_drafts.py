@@ -99,19 +99,64 @@ def drafts(source: str, tree, table, response: list[int], k: int) -> list[int]:
     return proposed
 
 
+def branch_roots(tree, response: list[int]) -> list[int]:
+    """The nodes a branching draft grows from: the response's path node if it has one, else its
+    aligned node and every longest suffix match."""
+    from specrl.speculative.tree import ROOT
+
+    node = ROOT
+    for token in response:
+        node = tree.children[node].get(token)
+        if node is None:
+            aligned = aligned_node(tree, response)
+            return ([aligned] if aligned is not None else []) + tree.suffix_matches(response)
+    return [node]
+
+
+def branch_accepted(tree, response: list[int], at: int, nodes: int) -> int:
+    """The leading tokens of response[at:] that a draft tree of at most `nodes` nodes, grown
+    best first (the most frequent paths) from `branch_roots`, holds as one path."""
+    import heapq
+
+    roots = branch_roots(tree, response[:at])
+    heap = [(-tree.count[c], c) for r in roots for c in tree.children[r].values()]
+    heapq.heapify(heap)
+    drafted: set[int] = set()
+    while heap and len(drafted) < nodes:
+        _, node = heapq.heappop(heap)
+        if node not in drafted:
+            drafted.add(node)
+            for c in tree.children[node].values():
+                heapq.heappush(heap, (-tree.count[c], c))
+    best = 0
+    for root in roots:
+        node, depth = root, 0
+        while at + depth < len(response):
+            child = tree.children[node].get(response[at + depth])
+            if child not in drafted:
+                break
+            node, depth = child, depth + 1
+        best = max(best, depth)
+    return best
+
+
 def slot_forwards(source: str, tree, table, response: list[int], reused: int, k: int) -> int:
     """Forwards to decode `response` from token `reused` on, each emitting one token and the
-    leading drafts that equal the response's next tokens."""
+    leading drafts that equal the response's next tokens (`branches`: a draft tree of k nodes,
+    its longest path that does)."""
     at, forwards = reused, 0
     while at < len(response):
-        proposed = drafts(source, tree, table, response[:at], k)
-        accepted = 0
-        while (
-            accepted < len(proposed)
-            and at + accepted < len(response)
-            and proposed[accepted] == response[at + accepted]
-        ):
-            accepted += 1
+        if tree is not None and source == "branches":
+            accepted = branch_accepted(tree, response, at, k)
+        else:
+            proposed = drafts(source, tree, table, response[:at], k)
+            accepted = 0
+            while (
+                accepted < len(proposed)
+                and at + accepted < len(response)
+                and proposed[accepted] == response[at + accepted]
+            ):
+                accepted += 1
         at += accepted + 1
         forwards += 1
     return forwards
@@ -130,7 +175,7 @@ def unseen_bigrams(tree, response: list[int], reused: int) -> int:
     )
 
 
-def replay(step: dict, ks: list[int]) -> dict:
+def replay(step: dict, ks: list[int], branch_nodes: list[int]) -> dict:
     trees, slots = step["trees"], step["slots"]
     table = ngram_table(trees.values())
     decoding = [s for s in slots if s["reused"] < len(s["response"])]
@@ -146,13 +191,18 @@ def replay(step: dict, ks: list[int]) -> dict:
         out["longest_tail_unseen_bigrams"] = unseen_bigrams(
             trees[slowest["prompt"]], slowest["response"], slowest["reused"]
         )
-    for source in ("tree", "aligned", "aligned+ngram"):
-        for k in ks:
+    for source, sizes in (
+        ("tree", ks),
+        ("aligned", ks),
+        ("aligned+ngram", ks),
+        ("branches", branch_nodes),
+    ):
+        for k in sizes:
             per_slot = [
                 slot_forwards(source, trees.get(s["prompt"]), table, s["response"], s["reused"], k)
                 for s in decoding
             ]
-            out[f"{source}/K={k}"] = {
+            out[f"{source}/nodes={k}" if source == "branches" else f"{source}/K={k}"] = {
                 "slowest_slot_forwards": max(per_slot, default=0),
                 "slot_forwards": sum(per_slot),
             }
@@ -165,6 +215,7 @@ def main() -> None:
     parser.add_argument("--arm", default="trie")
     parser.add_argument("--steps", type=int, default=56)
     parser.add_argument("--ks", default="4,8", help="draft tokens per forward replayed")
+    parser.add_argument("--branch-nodes", default="16,64", help="draft tree sizes replayed")
     parser.add_argument("overrides", nargs="*", help="config key=value")
     args = parser.parse_args()
     from specrl.bench import arm_config
@@ -172,6 +223,7 @@ def main() -> None:
     from specrl.trainer import Trainer
 
     ks = [int(k) for k in args.ks.split(",")]
+    branch_nodes = [int(n) for n in args.branch_nodes.split(",")]
     args.out.mkdir(parents=True, exist_ok=True)
     started_load = os.getloadavg()
     cfg = load_config(None, [*args.overrides, "trainer.logger=[]", "trainer.save_freq=0"])
@@ -206,12 +258,12 @@ def main() -> None:
                 continue
             recorded["step"] = step
             recorded["engine_decode_forwards"] = metrics["perf/decode/forwards"]
-            steps.append(replay(recorded, ks))
+            steps.append(replay(recorded, ks, branch_nodes))
             print(json.dumps(steps[-1]), flush=True)
     finally:
         trainer.run.rollouts.shutdown()
         trainer.run.lock.release()
-    keys = [k for k in steps[0] if "/K=" in k]
+    keys = [k for k in steps[0] if "/K=" in k or "/nodes=" in k]
     medians = {
         "engine_decode_forwards": statistics.median(s["engine_decode_forwards"] for s in steps),
         "longest_tail_tokens": statistics.median(s.get("longest_tail_tokens", 0) for s in steps),
