@@ -296,6 +296,33 @@ def test_a_reused_token_is_priced_by_the_decode_forwards_its_reuse_removes():
     graphs.observe_decode(5.0, 100)
     graphs.observe_loop([10, 8, 6, 4], [8, 8, 6, 0])
     assert graphs.row_cost == 0.0 and graphs.token_cost(0.5) == pytest.approx(0.025)
+    assert graphs.hindsight_token_cost == pytest.approx(0.1 * 6 / 22)  # c0 per forward removed
+
+
+def test_late_in_rl_a_reused_token_is_priced_by_the_forwards_it_removes_not_by_the_few_decoded():
+    """Once most tokens are reused, the few slots that decode run nearly as many forwards as the
+    longest tail, so decoding's seconds per token decoded grow far past what a reused token
+    saves: c_token = cs + c0 · (F − F') / H, whatever decoding's average. Seven slots of eight
+    reuse their whole 10 tokens and one reuses 5: the loop is 5 forwards shorter for 75 tokens
+    reused, and a token is worth a row and a fifteenth of a forward's c0."""
+    width = DraftWidth(4)
+    for rows in range(2, 34, 4):
+        width.observe_forward(rows, rows, 0.1 + 0.01 * rows)  # c0 = 0.1 s, cs = 0.01 s
+    budget = TrieBudget(width=width)
+    budget.observe_verify(0.03, 1)
+    budget.observe_decode(5 * 0.11, 5)  # the 5 tokens decoded in 5 forwards of one row
+    budget.observe_loop([10] * 8, [10] * 7 + [5])
+    assert budget.average_token_cost == pytest.approx(0.11)
+    assert budget.forwards_per_reused_token == pytest.approx(5 / 75)
+    assert budget.hindsight_token_cost == pytest.approx(0.01 + 0.1 * 5 / 75)
+    # the old price, cs + (a − cs) · f with f = (5 / 10) / (75 / 80), is 3.8 times that
+    assert budget.token_cost(budget.loop_factor) == pytest.approx(0.01 + 0.1 * 0.5 / (75 / 80))
+    tree = trie_of([[3, 4, 5, 6]] * 6 + [[3, 4, 7]] * 2)
+    # 8 walkers, ρ 0.9 (the prior): the path six responses took pays (its last node: 3.9
+    # expected walkers · 0.0167 s > 0.03 s); the branch two took, 6.48 · 0.9 · 2/8 = 1.46
+    # walkers, saves 0.024 s, less than its 0.03 s (at the old price it saved 0.092 s)
+    assert budget.select(tree, 8).nodes == [1, 2, 3, 4]
+    assert TrieBudget(width=width).hindsight_token_cost is None  # no loop evidence yet
 
 
 @pytest.mark.parametrize("token_cost", [0.4, 1e-6], ids=["pruned", "nothing-pays"])

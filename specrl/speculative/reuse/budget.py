@@ -29,21 +29,26 @@ are the same tokens (or, off the transformers engine, the same distribution) as 
 Both costs are measured on the engine's own calls, as wall seconds: c_node is a trie pass's seconds
 per position it computed (prompt and nodes: a pass prefills its prompts, which decoding then
 reuses). c_token is what a reused token saves decoding: one row of forwards that run anyway (cs,
-`DraftWidth`'s per-sequence cost, fitted to every decode forward of the engine as c0 + cs · rows +
-cd · drafts + cf), plus a share of the forwards' fixed cost. The decode loop runs until its slowest
-slot is done, so a reused token removes a forward only where it shortens the longest tail: c_token
-= cs + (a − cs) · f, a being decoding's average seconds per token (cs plus c0 spread over the
-tokens) and f the share of the loop's forwards reuse removes per share of the tokens it reuses. f
-is measured in hindsight on every call, over all its slots: F the longest response, F' the longest
-that would have been left to decode after walks of the whole tries, H of the T response tokens
-reusable: f = ((F − F') / F) / (H / T), decayed, at most 1; before any evidence, f is r, the share
-of the prompt's tokens its walks are expected to reuse were every node verified (Σ E[walkers
-reaching v] over W · Σ count[v] / count[root]). Early in RL a few slots reuse a little and F' = F:
-f ≈ 0 and a node pays only the rows it saves (SmolLM2-135M on 2 CPU cores: c0 ≈ 80 ms, cs ≈ 2.5 ms,
-c_node ≈ 2.5-3.5 ms, so only nodes most of a prompt's slots reach). On an engine that decodes as
-CUDA graphs a row costs nothing (`rows_free`: a bucket's graph computes all its rows), so cs = 0
-and nothing is verified until reuse shortens the loop; elsewhere, until cs is fitted (too little
-spread in the forwards' batch sizes), c_token is a. Until a verification pass has been timed,
+`DraftWidth`'s per-sequence cost, fitted to every decode iteration of the engine as c0 + cs · rows
++ cd · drafts + cf), plus c0 for each forward of the loop it removes. The decode loop runs until
+its slowest slot is done, so a reused token removes a forward only where it shortens the longest
+tail. That is measured in hindsight on every call, over all its slots: F the longest response, F'
+the longest that would have been left to decode after walks of the whole tries, H the tokens
+reusable: c_token = cs + c0 · (F − F') / H, the sums decayed, (F − F') / H at most 1. Early in RL
+a few slots reuse a little and F' = F: a node pays only the rows it saves (SmolLM2-135M on 2 CPU
+cores: c0 ≈ 80 ms, cs ≈ 2.5 ms, c_node ≈ 2.5-3.5 ms, so only nodes most of a prompt's slots
+reach). Late in RL most tokens are reused and a few slots decode a few tokens in as many forwards
+as the longest tail: per token decoded the forwards cost many times c0 / tokens per forward, but
+a reused token still removes only (F − F') / H of them. Before any evidence, or before the
+forwards are fitted, c_token = cs + (a − cs) · f, a being decoding's average seconds per token (cs
+plus c0 spread over the tokens it decoded) and f the share of the loop's forwards reuse removes per
+share of the tokens it reuses, ((F − F') / F) / (H / T) of the T response tokens (at most 1), or
+before any evidence r, the share of the prompt's tokens its walks are expected to reuse were every
+node verified (Σ E[walkers reaching v] over W · Σ count[v] / count[root]); early in RL, when few
+tokens are reused, the two prices agree. On an engine that decodes as CUDA graphs a row costs
+nothing (`rows_free`: a bucket's graph computes all its rows), so cs = 0 and nothing is verified
+until reuse shortens the loop; elsewhere, until cs is fitted (too little spread in the forwards'
+batch sizes), c_token is a. Until a verification pass has been timed,
 c_node is the engine's prefill seconds per position (a pass computes its positions as a prefill
 does; decoding's prefills are timed from the first call on). All evidence decays by `decay` per
 call. Each ρ_k has a prior of one predicted move, 0.9 of it taken: before any walk, the policy is
@@ -124,6 +129,12 @@ class VerifyCosts:
         return self._decode[0] / self._decode[1] if self._decode[1] > 0 else None
 
     @property
+    def forward_cost(self) -> float | None:
+        """c0: what a decode iteration costs besides its rows, as fitted (None: not yet)."""
+        fit = self.width.cost() if self.width is not None else None
+        return None if fit is None else fit[0]
+
+    @property
     def row_cost(self) -> float | None:
         """What one more row costs a decode forward: nothing on an engine that decodes as CUDA
         graphs (a bucket's graph computes all its rows), else as fitted (None: not yet)."""
@@ -201,6 +212,22 @@ class TrieBudget(VerifyCosts):
         return np.minimum(1.0, (taken + 0.9) / (predicted + 1.0))
 
     @property
+    def forwards_per_reused_token(self) -> float | None:
+        """The decode forwards a reused token removes, in hindsight: forwards removed over tokens
+        reusable, at most 1 (None: nothing was reusable lately)."""
+        removed, _, reused, _ = self._loop
+        return min(1.0, removed / reused) if reused > 0 else None
+
+    @property
+    def hindsight_token_cost(self) -> float | None:
+        """c_token once the loop's evidence is in: one row of the forwards that run anyway and c0
+        for every forward it removes (None: no evidence, or the forwards not fitted yet)."""
+        per_token, forward, row = self.forwards_per_reused_token, self.forward_cost, self.row_cost
+        if per_token is None or forward is None or row is None:
+            return None
+        return row + forward * per_token
+
+    @property
     def loop_factor(self) -> float | None:
         """The share of the decode loop's forwards reuse removes per share of the tokens it
         reuses, at most 1 (None: nothing was reusable lately)."""
@@ -229,7 +256,9 @@ class TrieBudget(VerifyCosts):
         )
         factor = self.loop_factor
         node_cost = self.node_cost
-        token_cost = self.token_cost(reuse if factor is None else factor)
+        token_cost = self.hindsight_token_cost
+        if token_cost is None:
+            token_cost = self.token_cost(reuse if factor is None else factor)
         if not self.enabled or node_cost is None or token_cost is None:
             nodes = np.arange(1, len(counts))
         else:

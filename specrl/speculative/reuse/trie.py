@@ -132,7 +132,10 @@ class TrieReuse(Reuse):
             self.budget.observe_loop(lengths, reusable)
             stats.trie_reachable_tokens += sum(reusable)
         stats.trie_node_cost_s = self.budget.node_cost or 0.0
-        stats.trie_token_cost_s = self.budget.average_token_cost or 0.0
+        priced = self.budget.hindsight_token_cost
+        stats.trie_token_cost_s = (
+            priced if priced is not None else self.budget.average_token_cost or 0.0
+        )
         stats.trie_row_cost_s = self.budget.row_cost or 0.0
         stats.trie_drift = self.budget.drift
         stats.trie_loop_factor = self.budget.loop_factor or 0.0
