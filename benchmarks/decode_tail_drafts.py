@@ -76,7 +76,7 @@ def ngram_drafts(table, response: list[int], k: int) -> list[int]:
             (table[key] for n in range(NGRAM, 0, -1) if (key := tuple(context[-n:])) in table),
             None,
         )
-        if found is None or len(context) == 0:
+        if found is None:
             break
         token = found.most_common(1)[0][0]
         out.append(token)

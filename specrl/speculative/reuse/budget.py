@@ -254,10 +254,10 @@ class TrieBudget(VerifyCosts):
             if len(counts) > 1
             else 0.0
         )
-        factor = self.loop_factor
         node_cost = self.node_cost
         token_cost = self.hindsight_token_cost
         if token_cost is None:
+            factor = self.loop_factor
             token_cost = self.token_cost(reuse if factor is None else factor)
         if not self.enabled or node_cost is None or token_cost is None:
             nodes = np.arange(1, len(counts))
