@@ -229,6 +229,7 @@ def _windows(
                 "trie_nodes_stored_per_step": total.trie_nodes_stored / max(len(mine), 1),
                 "trie_nodes_per_step": total.trie_nodes / max(len(mine), 1),
                 "trie_prompts_skipped": total.trie_prompts_skipped,
+                "trie_passes_skipped": total.trie_passes_skipped,
                 "trie_expected_tokens": total.trie_expected_tokens,
                 "reused_tokens": total.reused_tokens,
             }
@@ -255,7 +256,8 @@ def window_lines(result: dict[str, Any]) -> list[str]:
                 f"{w['verify_free_speedup']:.2f}x), reuse {w['reused_token_ratio']:.3f} of "
                 f"{w['reachable_token_ratio']:.3f} reachable, trie nodes verified/stored per step "
                 f"{w['trie_nodes_per_step']:.0f}/{w['trie_nodes_stored_per_step']:.0f}, "
-                f"prompts skipped {w['trie_prompts_skipped']:.0f}"
+                f"prompts skipped {w['trie_prompts_skipped']:.0f}, passes skipped "
+                f"{w['trie_passes_skipped']:.0f}"
             )
     return lines
 

@@ -50,6 +50,7 @@ class RolloutStats:
     trie_nodes: int = 0  # history-trie nodes verified (reuse=trie)
     trie_prompts: int = 0  # tries verified: prompts (or turn contexts) with a history
     trie_prompts_skipped: int = 0  # prompts with a history where no node paid its verification
+    trie_passes_skipped: int = 0  # steps whose selected nodes did not pay the forward a pass adds
     trie_nodes_stored: int = 0  # nodes of the tries of prompts with walkers (verified or not)
     trie_expected_tokens: float = 0.0  # reused tokens the budget expected of the nodes verified
     trie_reachable_tokens: int = 0  # tokens a walk of the whole tries would have reused
@@ -288,6 +289,7 @@ METRIC_NAMES = {
     "trie_nodes": "spec/trie/nodes",
     "trie_prompts": "spec/trie/prompts",
     "trie_prompts_skipped": "spec/trie/prompts_skipped",
+    "trie_passes_skipped": "spec/trie/passes_skipped",
     "trie_nodes_stored": "spec/trie/nodes_stored",
     "trie_expected_tokens": "spec/trie/expected_tokens",
     "trie_reachable_tokens": "spec/trie/reachable_tokens",

@@ -3,6 +3,8 @@ responses as scoring each path would, decoding continues from a node's KV, and t
 are vanilla's samples: token for token with the same weights and seeds (the walk draws each
 token with decoding's uniform), and distributed as the policy's samples whatever the history."""
 
+import math
+
 import numpy as np
 import pytest
 import torch
@@ -370,6 +372,50 @@ def test_a_pruned_trie_keeps_the_rollouts_distributed_as_the_policy():
     rollouts, stats = stage([prompt], n, ("trie",), 1)
     assert 0 < stats.trie_nodes < stats.trie_nodes_stored and stats.reused_tokens > 0
     assert distribution_pvalue(target, prompt, rollouts, vocab, max_len) > 1e-3
+
+
+class PassPrices(TriePrices):
+    """Fixed prices, and a fixed cost of a forward besides its rows (c0)."""
+
+    def __init__(self, node_cost: float, token_cost: float, forward_cost: float) -> None:
+        super().__init__(node_cost, token_cost)
+        self.fixed_forward = forward_cost
+
+    @property
+    def forward_cost(self) -> float:
+        return self.fixed_forward
+
+
+def test_a_pass_beside_decodings_prefill_runs_only_when_its_nodes_pay_for_its_forward():
+    """Prompt a has a history, prompt b none, so decoding prefills b whatever happens and a pass
+    over a's trie is a forward more: it runs only if its nodes are expected to save more than
+    that forward's fixed cost c0. A pass over every prompt that decodes replaces the prefill and
+    runs on its nodes' prices alone. Either way the rollouts are vanilla's, token for token."""
+    engine = HFEngine(make_tiny_model(init=0.3), [EOS], PAD)
+    sampling, max_len = SamplingParams(1.0), 6
+    a, b = Prompt((2, 5, 7), Example("a", "", "test")), Prompt((4, 6), Example("b", "", "test"))
+    history = sample_rollouts(engine, [a], 8, sampling, max_len, ("history",), 0)
+    tree = trie_of([r.token_ids for r in history])
+    saving = TriePrices(node_cost=0.1, token_cost=1.0).select(tree, 8).saving
+    assert 0 < saving < math.inf
+    for prompts, forward_cost, runs in (
+        ([a, b], 2 * saving, False),  # the nodes save less than the forward the pass adds
+        ([a, b], saving / 2, True),
+        ([a], 2 * saving, True),  # no prefill beside it: the pass adds no forward
+    ):
+        stage = trie_stage(engine, sampling, max_len)
+        stage.reuse.budget = PassPrices(0.1, 1.0, forward_cost)
+        stage.tree.begin(a.prompt_id)
+        stage.tree.insert_all((a.prompt_id, r.token_ids) for r in history)
+        before = engine.counts.verify_forwards
+        rollouts, stats = stage(prompts, 8, ("now",), 1)
+        assert (engine.counts.verify_forwards - before, stats.trie_passes_skipped) == (
+            (1, 0) if runs else (0, 1)
+        )
+        assert stats.trie_prompts_skipped == (0 if runs else 1)
+        assert (stats.trie_nodes > 0) == runs and (stats.reused_tokens > 0) == runs
+        vanilla = sample_rollouts(engine, prompts, 8, sampling, max_len, ("now",), 1)
+        assert [r.token_ids for r in rollouts] == [r.token_ids for r in vanilla]
 
 
 @pytest.fixture(scope="module")

@@ -26,6 +26,14 @@ count never grows and ρ_k ≤ 1, so a node that pays has parents that pay. A pr
 walk leaves the trie, and decoding goes on from there with the slot's own uniforms: the rollouts
 are the same tokens (or, off the transformers engine, the same distribution) as without a budget.
 
+A pass is a forward of its own. When it covers every prompt of the step that decodes, it replaces
+decoding's prefill forward; when some other prompt is prefilled anyway (one with no history, or
+one with no node that pays), it adds a forward to the step, whose fixed cost no node's price
+holds (SmolLM2-135M on 2 CPU cores: a pass of one prompt and one or two nodes cost 0.2-0.4 s
+more than the prefill it took the prompt from, for two or three tokens reused). So the step's
+selections must together save more than that: Σ over the nodes of (E[walkers reaching v] ·
+c_token − c_node) > c0, the decode forwards' fitted cost besides their rows (`pays_a_pass`).
+
 Both costs are measured on the engine's own calls, as wall seconds: c_node is a trie pass's seconds
 per position it computed (prompt and nodes: a pass prefills its prompts, which decoding then
 reuses). c_token is what a reused token saves decoding: one row of forwards that run anyway (cs,
@@ -86,11 +94,13 @@ from specrl.speculative.tree import ROOT, PromptTree
 
 @dataclass
 class Selection:
-    """The nodes of one trie chosen for verification (tree ids, parents first, root excluded)
-    and the reused tokens their verification is expected to bring."""
+    """The nodes of one trie chosen for verification (tree ids, parents first, root excluded),
+    the reused tokens their verification is expected to bring, and the seconds it is expected to
+    save beyond its nodes' positions (inf: the costs are not known, or the budget is off)."""
 
     nodes: list[int]
     expected_tokens: float
+    saving: float = math.inf
 
 
 class VerifyCosts:
@@ -261,9 +271,20 @@ class TrieBudget(VerifyCosts):
             token_cost = self.token_cost(reuse if factor is None else factor)
         if not self.enabled or node_cost is None or token_cost is None:
             nodes = np.arange(1, len(counts))
-        else:
-            nodes = np.flatnonzero(reach * token_cost > node_cost)
-        return Selection(nodes.tolist(), float(reach[nodes].sum()))
+            return Selection(nodes.tolist(), float(reach[nodes].sum()))
+        nodes = np.flatnonzero(reach * token_cost > node_cost)
+        expected = float(reach[nodes].sum())
+        return Selection(nodes.tolist(), expected, expected * token_cost - len(nodes) * node_cost)
+
+    def pays_a_pass(self, selections: Sequence[Selection], adds_forward: bool) -> bool:
+        """Whether a trie pass of these selections pays: their savings beyond their nodes'
+        positions exceed the fixed cost of the forward the pass adds to the step (`adds_forward`:
+        decoding prefills some other prompt anyway), c0 as fitted; with no forward added, or c0
+        not fitted yet, any selection pays."""
+        forward = self.forward_cost
+        if not adds_forward or forward is None:
+            return True
+        return sum(s.saving for s in selections) > forward
 
     def observe_walks(self, moves: np.ndarray) -> None:
         """One call's whole-trie walks (`reachable`): [moves taken, moves predicted] by kind

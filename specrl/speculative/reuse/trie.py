@@ -82,6 +82,15 @@ class TrieReuse(Reuse):
                 tries.append((ids, tree, selection, rows))
             else:
                 stats.trie_prompts_skipped += 1
+        # a pass that leaves some slot to decoding's prefill is a forward more for the step
+        covered = {walkers[row] for *_, rows in tries for row in rows}
+        prefilled = prefixes is None or any(
+            i not in covered and s.budget > 0 for i, s in enumerate(slots)
+        )
+        if tries and not self.budget.pays_a_pass([sel for _, _, sel, _ in tries], prefilled):
+            stats.trie_passes_skipped += 1
+            stats.trie_prompts_skipped += len(tries)
+            tries = []
         if not tries:
             stats.verify_s += time.perf_counter() - started
             return
