@@ -29,8 +29,8 @@ are the same tokens (or, off the transformers engine, the same distribution) as 
 A pass is a forward of its own. When it covers every prompt of the step that decodes, it replaces
 decoding's prefill forward; when some other prompt is prefilled anyway (one with no history, or
 one with no node that pays), it adds a forward to the step, whose fixed cost no node's price
-holds (SmolLM2-135M on 2 CPU cores: a pass of one prompt and one or two nodes cost 0.2-0.4 s
-more than the prefill it took the prompt from, for two or three tokens reused). So the step's
+holds (SmolLM2-135M on 2 CPU cores: a pass of one or two prompts and one or two nodes cost
+0.17-0.40 s more than the prefill it took them from, for two to four tokens reused). So the step's
 selections must together save more than that: Σ over the nodes of (E[walkers reaching v] ·
 c_token − c_node) > c0, the decode forwards' fitted cost besides their rows (`pays_a_pass`).
 

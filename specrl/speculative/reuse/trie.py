@@ -146,6 +146,7 @@ class TrieReuse(Reuse):
             priced if priced is not None else self.budget.average_token_cost or 0.0
         )
         stats.trie_row_cost_s = self.budget.row_cost or 0.0
+        stats.trie_forward_cost_s = self.budget.forward_cost or 0.0
         stats.trie_drift = self.budget.drift
         stats.trie_loop_factor = self.budget.loop_factor or 0.0
 
