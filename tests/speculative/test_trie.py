@@ -248,7 +248,7 @@ def test_where_a_response_lands_in_its_trie_as_the_step_found_it():
 
     def landed(response):
         moves = np.zeros((2, DRIFT_BUCKETS))
-        return reachable(tree, seen, response, moves), moves
+        return reachable(tree, seen, [response], moves)[0], moves
 
     seen = tree.snapshot()
     # predicted at the root 5/6 to [3] and 1/6 to [9], then 3/5 to [3, 4] and 1/5 to [3, 8],
@@ -268,6 +268,12 @@ def test_where_a_response_lands_in_its_trie_as_the_step_found_it():
     assert reached == 3 and moves.sum(1).tolist() == pytest.approx([3, 1.0 + 4 / 5 + 1.0 + 1.0])
     reached, moves = landed([3, 4, 5, EOS])
     assert reached == 4 and moves.sum(1).tolist() == pytest.approx([4, 1.0 + 4 / 5 + 1.0 + 1.0])
+    # a prompt's slots walked together (their shared nodes weighed once): what each walk adds
+    responses = [[3, 4, 5, EOS], [3, 8, 1], [7, 3], [3, 4, 5, EOS], [3, 4, 5, 7, 7], []]
+    together = np.zeros((2, DRIFT_BUCKETS))
+    assert reachable(tree, seen, responses, together) == [4, 2, 0, 4, 3, 0]
+    one_by_one = sum(landed(response)[1] for response in responses)
+    assert together.tolist() == [pytest.approx(row) for row in one_by_one.tolist()]
 
 
 def test_a_reused_token_is_priced_by_the_decode_forwards_its_reuse_removes():

@@ -6,6 +6,7 @@ where it leaves its trie."""
 from __future__ import annotations
 
 import time
+from collections import Counter
 from collections.abc import Sequence
 
 import numpy as np
@@ -127,16 +128,21 @@ class TrieReuse(Reuse):
         self.budget.observe_decode(stats.gen_s, sum(len(r.token_ids) for r in results.values()))
         self.budget.observe_prefill(self.engine.counts)
         if self._snapshots:
-            lengths, reusable, moves = [], [], np.zeros((2, DRIFT_BUCKETS))
+            responses = [
+                [*s.kept, *(results[i].token_ids if i in results else ())]
+                for i, s in enumerate(slots)
+            ]
+            reusable, moves = [0] * len(slots), np.zeros((2, DRIFT_BUCKETS))
+            walked: dict[str, list[int]] = {}  # prompt id → its slots that walked a trie
             for i, s in enumerate(slots):
-                response = [*s.kept, *(results[i].token_ids if i in results else ())]
-                seen = self._snapshots.get(s.prompt.prompt_id) if s.may_reuse else None
-                reached = 0
-                if seen is not None:
-                    tree = self.tree.get(s.prompt.prompt_id)
-                    reached = reachable(tree, seen, response, moves)
-                lengths.append(len(response))
-                reusable.append(reached)
+                if s.may_reuse and s.prompt.prompt_id in self._snapshots:
+                    walked.setdefault(s.prompt.prompt_id, []).append(i)
+            for prompt_id, group in walked.items():
+                tree, seen = self.tree.get(prompt_id), self._snapshots[prompt_id]
+                landed = reachable(tree, seen, [responses[i] for i in group], moves)
+                for i, reached in zip(group, landed, strict=True):
+                    reusable[i] = reached
+            lengths = [len(r) for r in responses]
             self.budget.observe_walks(moves)
             self.budget.observe_loop(lengths, reusable)
             stats.trie_reachable_tokens += sum(reusable)
@@ -212,28 +218,42 @@ def walk_trie(
 def reachable(
     tree: PromptTree,
     seen: tuple[list[int], list[int]],
-    response: Sequence[int],
+    responses: Sequence[Sequence[int]],
     moves: np.ndarray,
-) -> int:
-    """How many leading tokens of `response` are a path of the trie as it stood when the step
-    began (`seen`: its `snapshot` then, the nodes that existed with their counts). Adds to
-    `moves` [taken, predicted] by kind of move (`drift_bucket`) the moves along that path and
-    the moves the counts predicted (at each node passed that had children, to each child the
-    share of the node's earlier responses that went on to it). With every node verified
-    a walk reuses exactly those tokens: the response is what the walk and decoding drew, so this
-    is a walk of the whole trie in hindsight, whatever the budget verified."""
+) -> list[int]:
+    """How many leading tokens of each of a prompt's `responses` are a path of its trie as it
+    stood when the step began (`seen`: its `snapshot` then, the nodes that existed with their
+    counts). Adds to `moves` [taken, predicted] by kind of move (`drift_bucket`) the moves along
+    those paths and the moves the counts predicted (at each node passed that had children, to
+    each child the share of the node's earlier responses that went on to it), node by node: a
+    prompt's slots mostly share their paths (and often their whole responses), so each distinct
+    response is walked once and a node's children are weighed once for all that passed it. With
+    every node verified a walk reuses exactly those tokens: a response is what its walk and
+    decoding drew, so this is a walk of the whole trie in hindsight, whatever the budget
+    verified."""
     count, continued = seen
-    node, size = ROOT, len(count)
-    for depth, token in enumerate(response):
-        if not continued[node]:
-            return depth
+    size, children = len(count), tree.children
+    stood: Counter[int] = Counter()  # nodes a response stood at with a token to go on with
+    went: Counter[int] = Counter()  # the children responses went on to
+    reached: dict[tuple[int, ...], int] = {}  # each distinct response walked once
+    for response, times in Counter(map(tuple, responses)).items():
+        node, depth = ROOT, 0
+        for token in response:
+            if not continued[node]:
+                break
+            stood[node] += times
+            child = children[node].get(token)
+            if child is None or child >= size:
+                break
+            went[child] += times
+            node, depth = child, depth + 1
+        reached[response] = depth
+    taken, predicted = moves
+    for node, times in stood.items():
         here = count[node]
-        for c in tree.children[node].values():
+        for c in children[node].values():
             if c < size:
-                moves[1, drift_bucket(here, count[c])] += count[c] / here
-        child = tree.children[node].get(token)
-        if child is None or child >= size:
-            return depth
-        moves[0, drift_bucket(here, count[child])] += 1
-        node = child
-    return len(response)
+                predicted[drift_bucket(here, count[c])] += times * count[c] / here
+    for child, times in went.items():
+        taken[drift_bucket(count[tree.parent[child]], count[child])] += times
+    return [reached[tuple(response)] for response in responses]
