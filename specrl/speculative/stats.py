@@ -76,11 +76,13 @@ class RolloutStats:
     tree_prompts: int = field(default=0, metadata=GAUGE)
     accept_rate_estimate: float = field(default=0.0, metadata=GAUGE)
     # the trie budget's fitted seconds per verified position, per decoded token (decoding's
-    # average), per row of a decode forward and per forward besides its rows (c0), and its drift ρ
+    # average), per row of a decode forward, per forward besides its rows (c0) and per prompt
+    # position of a pass beyond decoding's prefill, and its drift ρ
     trie_node_cost_s: float = field(default=0.0, metadata=GAUGE)
     trie_token_cost_s: float = field(default=0.0, metadata=GAUGE)
     trie_row_cost_s: float = field(default=0.0, metadata=GAUGE)
     trie_forward_cost_s: float = field(default=0.0, metadata=GAUGE)
+    trie_prompt_cost_s: float = field(default=0.0, metadata=GAUGE)
     trie_drift: float = field(default=0.0, metadata=GAUGE)
     # the share of the decode loop's forwards reuse removes per share of the tokens it reuses
     trie_loop_factor: float = field(default=0.0, metadata=GAUGE)
@@ -298,6 +300,7 @@ METRIC_NAMES = {
     "trie_token_cost_s": "timing_s/trie_token_cost",
     "trie_row_cost_s": "timing_s/trie_row_cost",
     "trie_forward_cost_s": "timing_s/trie_forward_cost",
+    "trie_prompt_cost_s": "timing_s/trie_prompt_cost",
     "trie_drift": "spec/trie/drift",
     "trie_loop_factor": "spec/trie/loop_factor",
     "drafts_skipped": "spec/slot/drafts_skipped",

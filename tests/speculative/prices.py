@@ -6,13 +6,17 @@ from specrl.speculative.reuse.budget import DraftBudget, TrieBudget
 
 
 class FixedPrices:
-    def __init__(self, node_cost: float, token_cost: float) -> None:
+    def __init__(self, node_cost: float, token_cost: float, prompt_cost: float = 0.0) -> None:
         super().__init__()
-        self.prices = node_cost, token_cost
+        self.prices = node_cost, token_cost, prompt_cost
 
     @property
     def node_cost(self) -> float:
         return self.prices[0]
+
+    @property
+    def prompt_cost(self) -> float:
+        return self.prices[2]
 
     def token_cost(self, reuse: float) -> float:
         return self.prices[1]

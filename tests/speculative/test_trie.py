@@ -224,6 +224,19 @@ def test_before_its_first_pass_the_budget_prices_a_node_as_a_prefilled_position(
     assert untimed.node_cost is None
 
 
+def test_a_pass_prices_its_prompt_positions_beyond_what_decodings_prefill_spends_on_them():
+    """prompt_cost = c_node − c_prefill per position, both as measured: nothing before both are,
+    nothing where a pass computes a position more cheaply than the prefill."""
+    budget = TrieBudget()
+    assert budget.prompt_cost == 0.0
+    budget.observe_verify(1.2, 100)  # c_node = 12 ms
+    assert budget.prompt_cost == 0.0  # no prefill measured yet
+    budget.observe_prefill(ForwardCounts(prefill_computed_positions=200, prefill_seconds=2.0))
+    assert budget.prompt_cost == pytest.approx(0.002)
+    budget.observe_verify(0.0, 400)  # passes now far cheaper per position than the prefill
+    assert budget.prompt_cost == 0.0
+
+
 def test_a_reused_token_saves_a_row_and_the_share_of_forwards_reuse_removes():
     """c_token = cs + (a − cs) · f: one row of decode forwards (cs, fitted to the forwards as
     c0 + cs · rows), and the share f of the rest of the average a that reuse removes from the
@@ -383,8 +396,10 @@ def test_a_pruned_trie_keeps_the_rollouts_distributed_as_the_policy():
 class PassPrices(TriePrices):
     """Fixed prices, and a fixed cost of a forward besides its rows (c0)."""
 
-    def __init__(self, node_cost: float, token_cost: float, forward_cost: float) -> None:
-        super().__init__(node_cost, token_cost)
+    def __init__(
+        self, node_cost: float, token_cost: float, forward_cost: float, prompt_cost: float = 0.0
+    ) -> None:
+        super().__init__(node_cost, token_cost, prompt_cost)
         self.fixed_forward = forward_cost
 
     @property
@@ -392,11 +407,13 @@ class PassPrices(TriePrices):
         return self.fixed_forward
 
 
-def test_a_pass_beside_decodings_prefill_runs_only_when_its_nodes_pay_for_its_forward():
+def test_a_pass_runs_only_when_its_nodes_pay_for_what_it_costs_beyond_decodings_prefill():
     """Prompt a has a history, prompt b none, so decoding prefills b whatever happens and a pass
     over a's trie is a forward more: it runs only if its nodes are expected to save more than
-    that forward's fixed cost c0. A pass over every prompt that decodes replaces the prefill and
-    runs on its nodes' prices alone. Either way the rollouts are vanilla's, token for token."""
+    that forward's fixed cost c0. A pass over every prompt that decodes replaces the prefill; it
+    still computes its prompt positions more dearly than the prefill would (`prompt_cost` each),
+    and runs only if its nodes save more than that. Either way the rollouts are vanilla's, token
+    for token."""
     engine = HFEngine(make_tiny_model(init=0.3), [EOS], PAD)
     sampling, max_len = SamplingParams(1.0), 6
     a, b = Prompt((2, 5, 7), Example("a", "", "test")), Prompt((4, 6), Example("b", "", "test"))
@@ -404,13 +421,17 @@ def test_a_pass_beside_decodings_prefill_runs_only_when_its_nodes_pay_for_its_fo
     tree = trie_of([r.token_ids for r in history])
     saving = TriePrices(node_cost=0.1, token_cost=1.0).select(tree, 8).saving
     assert 0 < saving < math.inf
-    for prompts, forward_cost, runs in (
-        ([a, b], 2 * saving, False),  # the nodes save less than the forward the pass adds
-        ([a, b], saving / 2, True),
-        ([a], 2 * saving, True),  # no prefill beside it: the pass adds no forward
+    per_position = saving / len(a.ids)  # a's prompt positions at this price: the saving
+    for prompts, forward_cost, prompt_cost, runs in (
+        ([a, b], 2 * saving, 0.0, False),  # the nodes save less than the forward the pass adds
+        ([a, b], saving / 2, 0.0, True),
+        ([a], 2 * saving, 0.0, True),  # no prefill beside it: the pass adds no forward
+        ([a], 2 * saving, 2 * per_position, False),  # its prompt costs more than the nodes save
+        ([a], 2 * saving, per_position / 2, True),
+        ([a, b], 0.6 * saving, 0.6 * per_position, False),  # either alone would pay, not both
     ):
         stage = trie_stage(engine, sampling, max_len)
-        stage.reuse.budget = PassPrices(0.1, 1.0, forward_cost)
+        stage.reuse.budget = PassPrices(0.1, 1.0, forward_cost, prompt_cost)
         stage.tree.begin(a.prompt_id)
         stage.tree.insert_all((a.prompt_id, r.token_ids) for r in history)
         before = engine.counts.verify_forwards

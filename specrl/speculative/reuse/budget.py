@@ -26,13 +26,20 @@ count never grows and ρ_k ≤ 1, so a node that pays has parents that pay. A pr
 walk leaves the trie, and decoding goes on from there with the slot's own uniforms: the rollouts
 are the same tokens (or, off the transformers engine, the same distribution) as without a budget.
 
-A pass is a forward of its own. When it covers every prompt of the step that decodes, it replaces
-decoding's prefill forward; when some other prompt is prefilled anyway (one with no history, or
-one with no node that pays), it adds a forward to the step, whose fixed cost no node's price
-holds (SmolLM2-135M on 2 CPU cores: a pass of one or two prompts and one or two nodes cost
-0.17-0.40 s more than the prefill it took them from, for two to four tokens reused). So the step's
-selections must together save more than that: Σ over the nodes of (E[walkers reaching v] ·
-c_token − c_node) > c0, the decode forwards' fitted cost besides their rows (`pays_a_pass`).
+A pass is a forward of its own, and it computes its prompts as decoding's prefill would: what a
+pass costs beyond that prefill is its nodes' positions and two things no node's price holds.
+Where some other prompt of the step is prefilled anyway (one with no history, or one with no
+node that pays), the pass adds a forward to the step, and a forward's fixed cost (SmolLM2-135M on
+2 CPU cores: a pass of one or two prompts and one or two nodes cost 0.17-0.40 s more than the
+prefill it took them from, for two to four tokens reused). And a pass computes a position more
+dearly than a prefill (the tree mask, logits at every node's column: on SmolLM2 early in RL a
+pass of four prompts and 5-25 nodes cost 0.18 s more than vanilla's prefill of the same prompts,
+for 7-39 tokens reused), so its prompt positions cost it c_node − c_prefill each beyond the
+prefill (`prompt_cost`; c_prefill the engine's prefill seconds per position, nothing where a
+pass is the cheaper). So the step's selections must together save more than both: Σ over the
+nodes of (E[walkers reaching v] · c_token − c_node) > P · (c_node − c_prefill) + c0 where the
+pass adds a forward, P its prompt positions and c0 the decode forwards' fitted cost besides
+their rows (`pays_a_pass`).
 
 Both costs are measured on the engine's own calls, as wall seconds: c_node is a trie pass's seconds
 per position it computed (prompt and nodes: a pass prefills its prompts, which decoding then
@@ -132,6 +139,15 @@ class VerifyCosts:
         prefill's (None: neither measured yet)."""
         seconds, positions = self._verify if self._verify[1] > 0 else self._prefill
         return seconds / positions if positions > 0 else None
+
+    @property
+    def prompt_cost(self) -> float:
+        """What a verification pass spends on a prompt position beyond what decoding's prefill
+        does: its seconds per position less the prefill's, none below zero (0: either not
+        measured yet)."""
+        if self._verify[1] <= 0 or self._prefill[1] <= 0:
+            return 0.0
+        return max(0.0, self._verify[0] / self._verify[1] - self._prefill[0] / self._prefill[1])
 
     @property
     def average_token_cost(self) -> float | None:
@@ -276,15 +292,19 @@ class TrieBudget(VerifyCosts):
         expected = float(reach[nodes].sum())
         return Selection(nodes.tolist(), expected, expected * token_cost - len(nodes) * node_cost)
 
-    def pays_a_pass(self, selections: Sequence[Selection], adds_forward: bool) -> bool:
+    def pays_a_pass(
+        self, selections: Sequence[Selection], prompt_positions: int, adds_forward: bool
+    ) -> bool:
         """Whether a trie pass of these selections pays: their savings beyond their nodes'
-        positions exceed the fixed cost of the forward the pass adds to the step (`adds_forward`:
-        decoding prefills some other prompt anyway), c0 as fitted; with no forward added, or c0
-        not fitted yet, any selection pays."""
+        positions exceed what the pass costs beyond decoding's prefill of its prompts: its
+        `prompt_positions` at `prompt_cost` each, and where it adds a forward to the step
+        (`adds_forward`: decoding prefills some other prompt anyway) that forward's fixed cost,
+        c0 as fitted (nothing until it is)."""
+        cost = prompt_positions * self.prompt_cost
         forward = self.forward_cost
-        if not adds_forward or forward is None:
-            return True
-        return sum(s.saving for s in selections) > forward
+        if adds_forward and forward is not None:
+            cost += forward
+        return sum(s.saving for s in selections) > cost
 
     def observe_walks(self, moves: np.ndarray) -> None:
         """One call's whole-trie walks (`reachable`): [moves taken, moves predicted] by kind

@@ -88,7 +88,9 @@ class TrieReuse(Reuse):
         prefilled = prefixes is None or any(
             i not in covered and s.budget > 0 for i, s in enumerate(slots)
         )
-        if tries and not self.budget.pays_a_pass([sel for _, _, sel, _ in tries], prefilled):
+        prompt_positions = sum(len(ids) for ids, *_ in tries)
+        selections = [sel for _, _, sel, _ in tries]
+        if tries and not self.budget.pays_a_pass(selections, prompt_positions, prefilled):
             stats.trie_passes_skipped += 1
             stats.trie_prompts_skipped += len(tries)
             tries = []
@@ -153,6 +155,7 @@ class TrieReuse(Reuse):
         )
         stats.trie_row_cost_s = self.budget.row_cost or 0.0
         stats.trie_forward_cost_s = self.budget.forward_cost or 0.0
+        stats.trie_prompt_cost_s = self.budget.prompt_cost
         stats.trie_drift = self.budget.drift
         stats.trie_loop_factor = self.budget.loop_factor or 0.0
 
