@@ -27,19 +27,19 @@ walk leaves the trie, and decoding goes on from there with the slot's own unifor
 are the same tokens (or, off the transformers engine, the same distribution) as without a budget.
 
 A pass is a forward of its own, and it computes its prompts as decoding's prefill would: what a
-pass costs beyond that prefill is its nodes' positions and two things no node's price holds.
-Where some other prompt of the step is prefilled anyway (one with no history, or one with no
-node that pays), the pass adds a forward to the step, and a forward's fixed cost (SmolLM2-135M on
+pass costs beyond that prefill is its nodes' positions and two things no node's price holds. Where
+some other prompt of the step is prefilled anyway (one with no history, or one with no node that
+pays), the pass adds a forward to the step, and with it a forward's fixed cost, c0 (SmolLM2-135M on
 2 CPU cores: a pass of one or two prompts and one or two nodes cost 0.17-0.40 s more than the
 prefill it took them from, for two to four tokens reused). And a pass computes a position more
-dearly than a prefill (the tree mask, logits at every node's column: on SmolLM2 early in RL a
-pass of four prompts and 5-25 nodes cost 0.18 s more than vanilla's prefill of the same prompts,
-for 7-39 tokens reused), so its prompt positions cost it c_node − c_prefill each beyond the
-prefill (`prompt_cost`; c_prefill the engine's prefill seconds per position, nothing where a
-pass is the cheaper). So the step's selections must together save more than both: Σ over the
-nodes of (E[walkers reaching v] · c_token − c_node) > P · (c_node − c_prefill) + c0 where the
-pass adds a forward, P its prompt positions and c0 the decode forwards' fitted cost besides
-their rows (`pays_a_pass`).
+dearly than a prefill (the tree mask, logits at every node's column: on SmolLM2 early in RL a pass
+of four prompts and 5-25 nodes cost 0.18 s more than vanilla's prefill of the same prompts, for
+7-39 tokens reused), so its prompt positions cost it c_node − c_prefill each beyond the prefill
+(`prompt_cost`; c_prefill the engine's prefill seconds per position, nothing where a pass is the
+cheaper). So the step's selections must together save more than both: Σ over the nodes of
+(E[walkers reaching v] · c_token − c_node) > P · (c_node − c_prefill) + c0 where the pass adds a
+forward, P its prompt positions and c0 the decode forwards' fitted cost besides their rows
+(`pays_a_pass`).
 
 Both costs are measured on the engine's own calls, as wall seconds: c_node is a trie pass's seconds
 per position it computed (prompt and nodes: a pass prefills its prompts, which decoding then
