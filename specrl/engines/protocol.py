@@ -90,6 +90,9 @@ class GenResult:
     forwards: int = 0  # decode forwards this request took part in
     draft_tokens: int = 0  # draft tokens verified for it (draft_decoding, own_drafts)
     accepted_tokens: int = 0  # of which accepted
+    # each new token's drawn interval (a, b] (`sampling.draw`), where the engine's sampler is
+    # specrl's (the transformers engine; empty otherwise): the trie budget predicts walks by it
+    intervals: list[tuple[float, float]] = field(default_factory=list)
 
 
 @dataclass(frozen=True)

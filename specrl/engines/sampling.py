@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -142,10 +143,29 @@ def sampling_cdf(logprobs: torch.Tensor) -> torch.Tensor:
 
 def sample_from_logprobs(logprobs: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
     """Inverse-CDF sampling: logprobs [B, V], uniform [B] → token ids [B]."""
+    return draw(logprobs, uniform).tokens
+
+
+class Draw(NamedTuple):
+    """Tokens drawn by inverse-CDF sampling, and where each draw fell."""
+
+    tokens: torch.Tensor  # [B] token ids
+    # [B, 2] float64: the drawn interval (a, b] of each token, the uniforms that draw it (its
+    # row's CDF scaled to a total mass of 1)
+    intervals: torch.Tensor
+
+
+def draw(logprobs: torch.Tensor, uniform: torch.Tensor) -> Draw:
+    """Inverse-CDF sampling: logprobs [B, V], uniform [B] → the tokens and their drawn intervals.
+    A token t is drawn where cdf[t - 1] < u · total ≤ cdf[t]: the same uniform draws the same
+    token while the policy moves less than u's distance to the interval's ends."""
     cdf = sampling_cdf(logprobs)  # [B, V]
-    target = (uniform * cdf[:, -1])[:, None]
-    tokens = torch.searchsorted(cdf, target).squeeze(-1)
-    return tokens.clamp_(max=logprobs.shape[-1] - 1)
+    total = cdf[:, -1:]  # [B, 1]
+    tokens = torch.searchsorted(cdf, uniform[:, None] * total)  # [B, 1]
+    tokens.clamp_(max=logprobs.shape[-1] - 1)
+    ends = cdf.gather(1, torch.cat([tokens - 1, tokens], 1).clamp_(min=0))  # [B, 2]
+    ends[:, 0].masked_fill_(tokens[:, 0] == 0, 0.0)  # the first token's interval starts at 0
+    return Draw(tokens.squeeze(1), ends.div_(total))
 
 
 def residual_logprobs(logprobs: torch.Tensor, excluded: Sequence[Sequence[int]]) -> torch.Tensor:

@@ -3,11 +3,13 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
 
+from specrl.engines import GenResult
 from specrl.speculative.store import StoredRollout
 from specrl.types import FinishReason, Prompt
 
@@ -19,13 +21,15 @@ class Reused:
     (its history held the whole of it), None when decoding continues, then with `excluded`: the
     tokens its next one may not be (the exact rule's residual at a cut; the children of the node
     an uncoupled walk left at). `checked`: the current logprob of every draft token verification
-    computed, past the cut too (a stored draft's; the lenient rule's behaviour logprobs read it)."""
+    computed, past the cut too (a stored draft's; the lenient rule's behaviour logprobs read it).
+    `intervals`: each token's drawn interval, where the walk of a trie knew it (empty otherwise)."""
 
     tokens: list[int]
     logprobs: list[float]
     finish_reason: FinishReason | None
     excluded: tuple[int, ...] = ()
     checked: list[float] = field(default_factory=list)
+    intervals: list[tuple[float, float]] = field(default_factory=list)
 
 
 @dataclass
@@ -47,6 +51,18 @@ class Slot:
     @property
     def kept_logprobs(self) -> list[float]:
         return [] if self.reused is None else self.reused.logprobs
+
+    def drawn(self, decoded: GenResult | None) -> list[tuple[float, float]]:
+        """The drawn interval of every token of its response, what it kept and then what was
+        `decoded` for it (NaN where the part's source did not say)."""
+        parts = [(self.kept, [] if self.reused is None else self.reused.intervals)]
+        if decoded is not None:
+            parts.append((decoded.token_ids, decoded.intervals))
+        unknown = (math.nan, math.nan)
+        return [
+            x for tokens, drawn in parts
+            for x in (drawn if len(drawn) == len(tokens) else [unknown] * len(tokens))
+        ]  # fmt: skip
 
 
 def common_prefix(tokens: Sequence[int], draft: np.ndarray) -> int:

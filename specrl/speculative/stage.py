@@ -137,7 +137,7 @@ class SpeculativeStage:
         if self.tree is not None:
             if not self.cfg.tree.online:
                 self.tree.insert_all(
-                    (slots[i].prompt.prompt_id, [*slots[i].kept, *r.token_ids])
+                    (slots[i].prompt.prompt_id, [*slots[i].kept, *r.token_ids], slots[i].drawn(r))
                     for i, r in results.items()
                 )
             stats.tree_evicted_nodes += self.tree.evict()
@@ -222,7 +222,9 @@ class SpeculativeStage:
         if self.tree is None:
             return None
         self.tree.insert_all(
-            (s.prompt.prompt_id, s.kept) for i, s in enumerate(slots) if i not in requests
+            (s.prompt.prompt_id, s.kept, s.drawn(None))
+            for i, s in enumerate(slots)
+            if i not in requests
         )
         if not self.tree_drafts:
             return None

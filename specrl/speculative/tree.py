@@ -21,6 +21,7 @@ rolled-out prompts' trees whole.
 
 from __future__ import annotations
 
+import math
 from collections import Counter, OrderedDict
 from collections.abc import Iterable, Sequence
 from typing import Any
@@ -35,6 +36,8 @@ class PromptTree:
 
     def __init__(self) -> None:
         self.responses: list[tuple[int, tuple[int, ...]]] = []  # (round, tokens), oldest first
+        # each response's drawn intervals [len, 2] (None: not known), as `responses`
+        self.drawn: list[np.ndarray | None] = []
         self.round = 0  # how many times the prompt has been rolled out
         self.version = 0  # bumped by every change; cursors recompute when it moves
         self._build()
@@ -47,9 +50,19 @@ class PromptTree:
         self.continued = [0]  # of a node's responses, those that go on to a child
         self.children: list[dict[int, int]] = [{}]
         self.best = [-1]  # most frequent child
+        # the drawn interval (a, b] of the move to each node, as the last response through it
+        # that knew it was drawn (NaN: none did): a walk with uniform u at its parent takes it
+        # while the policy's interval still holds u
+        self.lower, self.upper = [math.nan], [math.nan]
         self.by_token: dict[int, list[int]] = {}
-        for tokens, times in Counter(tokens for _, tokens in self.responses).items():
-            self._add(tokens, times)  # a prompt's slots often hold the same response
+        # a prompt's slots often hold the same response: each distinct one added once, in the
+        # order of its last copy, with that copy's intervals (the latest win along shared paths)
+        last: dict[tuple[int, ...], tuple[int, np.ndarray | None]] = {}
+        for (_, tokens), drawn in zip(self.responses, self.drawn, strict=True):
+            times, known = last.pop(tokens, (0, None))
+            last[tokens] = (times + 1, known if drawn is None else drawn)
+        for tokens, (times, drawn) in last.items():
+            self._add(tokens, times, drawn)
 
     @property
     def nodes(self) -> int:
@@ -59,18 +72,34 @@ class PromptTree:
         """Every node's count and continued count as they stand now (`reachable` walks them)."""
         return list(self.count), list(self.continued)
 
-    def insert(self, tokens: Sequence[int], times: int = 1) -> None:
-        """Add a response, `times` times (slots that hold the same response)."""
+    def insert(
+        self,
+        tokens: Sequence[int],
+        times: int = 1,
+        intervals: Sequence[tuple[float, float]] | None = None,
+    ) -> None:
+        """Add a response, `times` times (slots that hold the same response), with the drawn
+        interval of each of its tokens where known (NaN: not)."""
         tokens = tuple(map(int, tokens))
+        drawn = None
+        if intervals is not None and len(intervals) == len(tokens):
+            drawn = np.asarray(intervals, dtype=np.float32).reshape(-1, 2)
+            if np.isnan(drawn).all():
+                drawn = None
         self.responses.extend([(self.round, tokens)] * times)
-        self._add(tokens, times)
+        self.drawn.extend([drawn] * times)
+        self._add(tokens, times, drawn)
         self.version += 1
 
-    def _add(self, tokens: tuple[int, ...], times: int = 1) -> None:
+    def _add(
+        self, tokens: tuple[int, ...], times: int = 1, drawn: np.ndarray | None = None
+    ) -> None:
         children, count, continued, best = self.children, self.count, self.continued, self.best
+        lower, upper = self.lower, self.upper
+        intervals = drawn.tolist() if drawn is not None else None
         node = ROOT
         count[ROOT] += times
-        for t in tokens:
+        for i, t in enumerate(tokens):
             continued[node] += times
             child = children[node].get(t)
             if child is None:
@@ -82,23 +111,30 @@ class PromptTree:
                 continued.append(0)
                 children.append({})
                 best.append(-1)
+                lower.append(math.nan)
+                upper.append(math.nan)
                 children[node][t] = child
                 self.by_token.setdefault(t, []).append(child)
             count[child] += times
             b = best[node]
             if b < 0 or count[child] > count[b] or (count[child] == count[b] and child < b):
                 best[node] = child
+            if intervals is not None:
+                a, z = intervals[i]
+                if a == a:  # not NaN
+                    lower[child], upper[child] = a, z
             node = child
 
     def next_round(self, window: int) -> int:
         """The prompt is rolled out again: keep the responses of the last `window - 1` rounds
         (the current round adds its own). → nodes freed."""
         self.round += 1
-        keep = [(r, t) for r, t in self.responses if r > self.round - window]
+        keep = [i for i, (r, _) in enumerate(self.responses) if r > self.round - window]
         if len(keep) == len(self.responses):
             return 0
         before = self.nodes
-        self.responses = keep
+        self.responses = [self.responses[i] for i in keep]
+        self.drawn = [self.drawn[i] for i in keep]
         self._build()
         self.version += 1
         return before - self.nodes
@@ -210,16 +246,30 @@ class TokenTree:
         self.nodes -= freed
         return freed
 
-    def insert(self, prompt_id: str, tokens: Sequence[int], times: int = 1) -> None:
+    def insert(
+        self,
+        prompt_id: str,
+        tokens: Sequence[int],
+        times: int = 1,
+        intervals: Sequence[tuple[float, float]] | None = None,
+    ) -> None:
         tree = self._tree(prompt_id)
         before = tree.nodes
-        tree.insert(tokens, times)
+        tree.insert(tokens, times, intervals)
         self.nodes += tree.nodes - before
 
-    def insert_all(self, responses: Iterable[tuple[str, Sequence[int]]]) -> None:
-        """Add (prompt id, response) pairs, each distinct pair once with its multiplicity."""
-        for (prompt_id, tokens), times in Counter((p, tuple(t)) for p, t in responses).items():
-            self.insert(prompt_id, tokens, times)
+    def insert_all(self, responses: Iterable[tuple]) -> None:
+        """Add (prompt id, response) pairs, or (prompt id, response, its drawn intervals)
+        triples: each distinct (prompt id, response) once with its multiplicity, with the
+        intervals of its last copy (the same context draws the same intervals)."""
+        times: Counter[tuple[str, tuple[int, ...]]] = Counter()
+        drawn: dict[tuple[str, tuple[int, ...]], Sequence[tuple[float, float]] | None] = {}
+        for prompt_id, tokens, *intervals in responses:
+            key = (prompt_id, tuple(tokens))
+            times[key] += 1
+            drawn[key] = intervals[0] if intervals else None
+        for (prompt_id, tokens), n in times.items():
+            self.insert(prompt_id, tokens, n, drawn[(prompt_id, tokens)])
 
     def cursor(self, prompt_id: str, tokens: Sequence[int] = ()) -> Cursor | None:
         tree = self._trees.get(prompt_id)
@@ -257,30 +307,35 @@ class TokenTree:
     def export(self, prompt_ids: Iterable[str]) -> dict[str, Any]:
         """The trees of these prompts (those that have one), as flat arrays."""
         prompt_ids = [p for p in prompt_ids if p in self._trees]
-        rounds, lengths, tokens, owners = [], [], [], []
+        rounds, lengths, tokens, owners, intervals = [], [], [], [], []
         for i, pid in enumerate(prompt_ids):
             tree = self._trees[pid]
             rounds.append(tree.round)
-            for r, response in tree.responses:
+            for (r, response), drawn in zip(tree.responses, tree.drawn, strict=True):
                 owners.append((i, r))
                 lengths.append(len(response))
                 tokens.extend(response)
+                unknown = np.full((len(response), 2), np.nan, dtype=np.float32)
+                intervals.append(unknown if drawn is None else drawn)
         return {
             "prompt_ids": prompt_ids,
             "rounds": np.array(rounds, dtype=np.int64),
             "owners": np.array(owners, dtype=np.int64).reshape(-1, 2),
             "lengths": np.array(lengths, dtype=np.int64),
             "tokens": np.array(tokens, dtype=np.int32),
+            "intervals": np.concatenate(intervals or [np.zeros((0, 2), np.float32)]),
         }
 
     def import_(self, state: dict[str, Any]) -> None:
         """Add (or replace) the trees `export` gave, as the most recently rolled-out ones."""
         trees = [PromptTree() for _ in state["prompt_ids"]]
         offsets = np.concatenate([[0], np.cumsum(state["lengths"])])
+        drawn = state.get("intervals")  # absent from checkpoints written before they were kept
         for j, (owner, r) in enumerate(state["owners"].tolist()):
             tree = trees[owner]
             tree.round = r
-            tree.insert(state["tokens"][offsets[j] : offsets[j + 1]].tolist())
+            span = slice(offsets[j], offsets[j + 1])
+            tree.insert(state["tokens"][span].tolist(), 1, None if drawn is None else drawn[span])
         for pid, tree, r in zip(state["prompt_ids"], trees, state["rounds"].tolist(), strict=True):
             tree.round = r
             old = self._trees.pop(pid, None)

@@ -1,3 +1,4 @@
+import math
 import random
 
 import pytest
@@ -149,6 +150,43 @@ def test_state_dict_round_trip():
             assert restored.propose(pid, query, 6) == tree.propose(pid, query, 6)
     tree.begin("x"), restored.begin("x")  # rounds survive: the same responses fall out
     assert restored.nodes == tree.nodes
+
+
+def test_a_node_keeps_the_drawn_interval_of_the_last_response_through_it_that_knew_it():
+    """Through the window's rebuild and a state dict's round trip: the latest response's
+    interval wins along shared paths; a response that did not know its intervals (NaN, or
+    none given) leaves the older ones."""
+    tree = TokenTree(window=2)
+    tree.begin("p")
+    tree.insert("p", [1, 2], intervals=[(0.1, 0.2), (0.0, 0.5)])
+    tree.insert("p", [1, 3])  # not known: [1] keeps (0.1, 0.2)
+    tree.begin("p")
+    tree.insert("p", [1, 2, 4], intervals=[(0.15, 0.25), (math.nan, math.nan), (0.3, 0.9)])
+
+    def drawn(t: TokenTree) -> dict[tuple[int, ...], float]:
+        """Each node's path → its interval's ends."""
+        p, out = t.get("p"), {}
+        for v in range(1, p.nodes + 1):
+            path, u = [], v
+            while u:
+                path.append(p.token[u])
+                u = p.parent[u]
+            out[(*reversed(path), 0)], out[(*reversed(path), 1)] = p.lower[v], p.upper[v]
+        return out
+
+    expected = ends({(1,): (0.15, 0.25), (1, 2): (0.0, 0.5), (1, 3): (math.nan, math.nan),
+                     (1, 2, 4): (0.3, 0.9)})  # fmt: skip
+    assert drawn(tree) == pytest.approx(expected, nan_ok=True)
+    restored = TokenTree(window=2)
+    restored.load_state_dict(tree.state_dict())
+    assert drawn(restored) == pytest.approx(expected, nan_ok=True)
+    tree.begin("p")  # round 1 falls out: [1, 2] and [1, 3] go, [1]'s round 2 interval stays
+    after = ends({(1,): (0.15, 0.25), (1, 2): (math.nan, math.nan), (1, 2, 4): (0.3, 0.9)})
+    assert drawn(tree) == pytest.approx(after, nan_ok=True)
+
+
+def ends(intervals: dict[tuple[int, ...], tuple[float, float]]) -> dict[tuple[int, ...], float]:
+    return {(*path, end): x for path, pair in intervals.items() for end, x in enumerate(pair)}
 
 
 PROMPTS = [Prompt(ids, Example(str(ids), "", "test")) for ids in [(3, 4, 5), (6, 7), (2, 8, 9, 10)]]

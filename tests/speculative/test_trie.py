@@ -17,6 +17,7 @@ from specrl.rollouts import sample_rollouts
 from specrl.speculative.drafting import DraftWidth
 from specrl.speculative.reuse.budget import DRIFT_BUCKETS, TrieBudget, drift_bucket
 from specrl.speculative.reuse.trie import reachable
+from specrl.speculative.reuse.walkers import expected_walkers
 from specrl.speculative.stage import SpeculativeStage
 from specrl.speculative.tree import PromptTree
 from specrl.types import Example, Prompt
@@ -169,6 +170,84 @@ def test_the_budget_verifies_the_nodes_enough_walkers_are_expected_to_reach():
         budget.observe_walks(walked({}))
     assert budget.drift == pytest.approx(0.9, abs=1e-3) and budget.select(tree, 4).nodes == path
     assert TrieBudget(enabled=False).select(tree, 1).nodes == list(range(1, tree.nodes + 1))
+
+
+def test_a_walk_is_predicted_from_its_own_uniforms_where_the_trie_knows_the_drawn_intervals():
+    """Two branches as likely as each other by their counts: [3, 4] drawn where u ∈ (0, 0.6],
+    [7, 8] where u ∈ (0.6, 1] (then each the only way on, u ∈ (0, 1]). A walker's uniform at a
+    move picks its branch: with σ small each walker reaches its own branch's nodes and nothing
+    of the other's, where the counts alone expect 0.9 walkers on each branch of two walkers (2 ·
+    ρ 0.9 · 2/4). A uniform at an interval's end is half on either side; a node deeper than the
+    walkers' uniforms is never reached."""
+    tree = PromptTree()
+    tree.insert([3, 4], times=2, intervals=[(0.0, 0.6), (0.0, 1.0)])
+    tree.insert([7, 8], times=2, intervals=[(0.6, 1.0), (0.0, 1.0)])
+    three, seven = tree.children[0][3], tree.children[0][7]
+    four, eight = tree.children[three][4], tree.children[seven][8]
+    budget = TrieBudget()
+    assert budget.shift == 0.05  # the prior, before any pass
+    budget.observe_shifts(np.zeros((500, 2)), np.full((500, 2), 0.01))  # ends moved by 0.01
+    assert budget.shift == pytest.approx((10 + 0.05) / 1001)
+    both_three = np.array([[0.3, 0.5], [0.45, 0.2]])
+    reach = reach_of(budget, tree, both_three)
+    assert reach[[three, four]] == pytest.approx([2.0, 2.0], abs=1e-5)
+    assert reach[[seven, eight]] == pytest.approx([0.0, 0.0], abs=1e-5)
+    counted = reach_of(budget, tree, None)
+    assert counted[[three, four, seven, eight]] == pytest.approx([0.9, 0.81, 0.9, 0.81])
+    split = reach_of(budget, tree, np.array([[0.3, 0.5], [0.6, 0.5]]))
+    assert split[[three, seven]] == pytest.approx([1.5, 0.5], abs=1e-5)  # 0.6: an end
+    shallow = reach_of(budget, tree, both_three[:, :1])
+    assert shallow[[three, four]] == pytest.approx([2.0, 0.0], abs=1e-5)
+    prices = TriePrices(node_cost=1.0, token_cost=1.0)  # a node pays where > 1 walker reaches
+    prices.observe_shifts(np.zeros((500, 2)), np.full((500, 2), 0.01))
+    assert prices.select(tree, 2, both_three).nodes == [three, four]
+    assert prices.select(tree, 2).nodes == []  # the counts alone: 0.9 walkers at most
+
+
+def test_with_the_policy_fixed_the_predicted_walks_verify_what_the_walks_reach(toy_run):
+    """The built-in policy, its weights fixed, four rounds: each token is drawn in the interval
+    its walk or decoding saw (`draw`), the trie keeps it, and a trie pass finds the same
+    interval for the same move (the ends' shift σ falls to float rounding). From then on the
+    budget predicts every walk: it verifies the nodes the walks reach and no other, and what they
+    reuse is all a walk of the whole trie would (prices: a node pays where a walker reaches it)."""
+    prompts, weights, model, eos = toy_run
+    engine = HFEngine(model, eos, PAD)
+    engine.load_weights(weights[0])
+    stage = trie_stage(engine, RUN_SAMPLINGS["t1"], 72)
+    stage.reuse.budget = TriePrices(node_cost=1.0, token_cost=1.5)
+    verified: list[set[tuple[int, ...]]] = []  # each round's verified nodes, as token paths
+    verify_tries = engine.verify_tries
+
+    def recording(requests, prefixes=None):
+        paths = set()
+        for r in requests:
+            at = [()]
+            for parent, token in zip(r.parents, r.tokens, strict=True):
+                at.append((*at[parent], token))
+            paths |= set(at[1:])
+        verified.append(paths)
+        return verify_tries(requests, prefixes)
+
+    engine.verify_tries = recording
+    for step in range(1, 5):
+        rollouts, stats = stage(prompts, 8, (1, step, 0), step)
+        if step < 3:  # no history, then a σ still at its prior
+            continue
+        assert stage.reuse.budget.shift < 1e-4
+        assert stats.reused_tokens == stats.trie_reachable_tokens > 0
+        paths, reached = verified[-1], set()
+        for r in rollouts:  # a walk reuses the longest verified path its response starts with
+            tokens = tuple(r.token_ids)
+            depth = 0
+            while depth < len(tokens) and tokens[: depth + 1] in paths:
+                depth += 1
+            reached |= {tokens[:k] for k in range(1, depth + 1)}
+        assert reached == paths, (len(reached), len(paths))
+
+
+def reach_of(budget: TrieBudget, tree: PromptTree, uniforms: np.ndarray | None) -> np.ndarray:
+    """E[walkers reaching each node] of `tree` walked by two walkers, at the budget's ρ and σ."""
+    return expected_walkers([tree], [2], [uniforms], budget.drifts, budget.shift)[0]
 
 
 def walked(moves: dict[int, tuple[float, float]]) -> np.ndarray:

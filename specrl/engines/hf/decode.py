@@ -27,8 +27,8 @@ from specrl.engines.hf.static_decode import StaticDecode
 from specrl.engines.protocol import Drafter, GenRequest, GenResult
 from specrl.engines.sampling import (
     RowSampling,
+    draw,
     residual_logprobs,
-    sample_from_logprobs,
     sampling_logprobs,
     seeded_uniform,
 )
@@ -81,24 +81,26 @@ class Decoder:
             positions = batch.positions[:, None] + cols
             logits = forward("decode", fed, batch.attention, positions, batch.cache)
             self._count_decode(batch.attention, proposed, fed.shape[1])
-            sampled, logprobs = self._sample(
+            sampled, logprobs, intervals = self._sample(
                 logits, batch.sampling, batch.column_uniforms(cols), batch.rejected
             )
             accepted = _accepted(sampled, fed, proposed)  # [B] draft tokens kept
             emitted, stopped = batch.emit(sampled, accepted, cols, eos)
             n_proposed, n_accepted = proposed.tolist(), accepted.tolist()
-            for row, n, k, a, new, lps in zip(
+            for row, n, k, a, new, lps, drawn in zip(
                 batch.rows.tolist(),
                 emitted.tolist(),
                 n_proposed,
                 n_accepted,
                 sampled.tolist(),
                 logprobs.tolist(),
+                intervals.tolist(),
                 strict=True,
             ):
                 result = results[row]
                 result.token_ids.extend(new[:n])
                 result.logprobs.extend(lps[:n])
+                result.intervals.extend(map(tuple, drawn[:n]))
                 result.forwards += 1
                 result.draft_tokens += k
                 result.accepted_tokens += a
@@ -159,15 +161,18 @@ class Decoder:
             device=self.device,
         )
         rejected = [requests[i].excluded_tokens for i in found]
-        tokens = sample_from_logprobs(
+        tokens, intervals = draw(
             residual_logprobs(logprobs, rejected), seeded_uniform(seeds, positions)
         )
         chosen = logprobs.gather(1, tokens[:, None]).squeeze(1)
         requests = list(requests)
-        for i, token, logprob in zip(found, tokens.tolist(), chosen.tolist(), strict=True):
+        for i, token, logprob, drawn in zip(
+            found, tokens.tolist(), chosen.tolist(), intervals.tolist(), strict=True
+        ):
             r = requests[i]
             results[i].token_ids.append(token)
             results[i].logprobs.append(logprob)
+            results[i].intervals.append(tuple(drawn))
             if token in self.eos_token_ids:
                 results[i].finish_reason = "stop"
                 requests[i] = replace(r, max_new_tokens=0)
@@ -210,8 +215,9 @@ class Decoder:
         sampling: RowSampling,
         uniforms: torch.Tensor,
         rejected: list[tuple[int, ...]],
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The token at every fed column's next position and its behaviour logprob, both [B, K+1].
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The token at every fed column's next position and its behaviour logprob, both [B, K+1],
+        and its drawn interval [B, K+1, 2] (`draw`).
         Column j's token is sampled with the counter-based uniform of its position (`uniforms`
         [B, K+1]), so it is the token decoding without drafts would sample there. The request's
         `excluded_tokens` are removed from the first column's distribution; its logprob stays
@@ -223,9 +229,10 @@ class Decoder:
         if any(rejected):
             draw_from = logprobs.clone()
             draw_from[:, 0] = residual_logprobs(logprobs[:, 0], rejected)
-        sampled = sample_from_logprobs(draw_from.reshape(-1, vocab), uniforms.reshape(-1))
+        sampled, intervals = draw(draw_from.reshape(-1, vocab), uniforms.reshape(-1))
         sampled = sampled.view(batch, columns)
-        return sampled, logprobs.gather(2, sampled[..., None]).squeeze(2)
+        chosen = logprobs.gather(2, sampled[..., None]).squeeze(2)
+        return sampled, chosen, intervals.view(batch, columns, 2)
 
     def _prefill(self, contexts: list[list[int]]) -> tuple[DecodeCache, torch.Tensor]:
         """KV cache and attention mask [B, W] for each context minus its last token. Rows whose

@@ -2,8 +2,8 @@
 engine's capabilities (`reuse_strategy`):
 
 - `trie` (`TrieReuse`, trie.py): each prompt's history trie verified in one pass, as far as it
-  pays (`TrieBudget`, budget.py), every slot walked down it with vanilla decoding's uniforms (the
-  exact rule's default);
+  pays (`TrieBudget`, budget.py; where its walkers go: walkers.py), every slot walked down it
+  with vanilla decoding's uniforms (the exact rule's default);
 - `slot` (`SlotReuse`, slot.py): each slot's stored draft verified in one pass (or in chunks), as
   far as it pays (`DraftBudget`, budget.py), and cut by the acceptance rule (SPEC-RL);
 - `slot-in-decoding` (`SlotReuseInDecoding`, slot.py): each slot's stored draft verified inside

@@ -21,10 +21,12 @@ telescope:
 
     E[walkers reaching v] = W · Π ρ_k over the moves to v · count[v] / count[root]   (W: walkers)
 
-v is verified when that times c_token exceeds c_node. The rule keeps a subtree: along a path the
-count never grows and ρ_k ≤ 1, so a node that pays has parents that pay. A pruned child is where a
-walk leaves the trie, and decoding goes on from there with the slot's own uniforms: the rollouts
-are the same tokens (or, off the transformers engine, the same distribution) as without a budget.
+and where the trie knows a move's drawn interval, each walker's own uniform predicts it
+(`expected_walkers`, walkers.py). v is verified when that times c_token exceeds c_node. The rule
+keeps a subtree: no move's probability exceeds 1, so a node that pays has parents that pay. A
+pruned child is where a walk leaves the trie, and decoding goes on from there with the slot's own
+uniforms: the rollouts are the same tokens (or, off the transformers engine, the same
+distribution) as without a budget.
 
 A pass is a forward of its own, and it computes its prompts as decoding's prefill would: what a
 pass costs beyond that prefill is its nodes' positions and two things no node's price holds. Where
@@ -96,6 +98,7 @@ import numpy as np
 
 from specrl.engines.accounting import ForwardCounts
 from specrl.speculative.drafting import DraftWidth
+from specrl.speculative.reuse.walkers import expected_walkers
 from specrl.speculative.tree import ROOT, PromptTree
 
 
@@ -210,6 +213,8 @@ def drift_bucket(parent_count: int, count: int) -> int:
 
 
 class TrieBudget(VerifyCosts):
+    shift_prior = 0.05  # σ before any pass: an interval's end moves by 0.05
+
     def __init__(
         self,
         enabled: bool = True,
@@ -223,6 +228,8 @@ class TrieBudget(VerifyCosts):
         # decayed [forwards removed, forwards, tokens reused, tokens] of the calls' decode
         # loops, had every node been verified
         self._loop = np.zeros(4)
+        # decayed [distance moved, ends] of verified nodes' drawn intervals (`observe_shifts`)
+        self._shifts = np.zeros(2)
 
     @property
     def drift(self) -> float:
@@ -262,18 +269,34 @@ class TrieBudget(VerifyCosts):
             return None
         return min(1.0, (removed / forwards) / (reused / tokens))
 
-    def select(self, tree: PromptTree, walkers: int) -> Selection:
-        """The nodes of `tree` worth verifying for `walkers` slots (all of them while the costs
-        are unknown, or with the budget off)."""
-        counts, up, drifts = tree.count, tree.parent, self.drifts.tolist()
-        reach_of = [float(walkers)] * len(counts)
-        for v in range(1, len(counts)):  # parents come first
-            # a walker at u moves on to child v with ≈ ρ(kind of move) · count[v] / count[u]
-            u = up[v]
-            move = drifts[drift_bucket(counts[u], counts[v])] * counts[v] / counts[u]
-            reach_of[v] = reach_of[u] * move
-        reach = np.asarray(reach_of)
-        reach[ROOT] = 0.0
+    @property
+    def shift(self) -> float:
+        """σ: the scale of how far a drawn interval's ends move between the policy that drew a
+        token and the current one (Laplace: the mean distance moved), from a prior of one end
+        moved by `shift_prior`."""
+        moved, ends = self._shifts
+        return (moved + self.shift_prior) / (ends + 1.0)
+
+    def select(
+        self, tree: PromptTree, walkers: int, uniforms: np.ndarray | None = None
+    ) -> Selection:
+        """The nodes of `tree` worth verifying for `walkers` slots (`select_all` of one)."""
+        return self.select_all([tree], [walkers], [uniforms])[0]
+
+    def select_all(
+        self,
+        trees: Sequence[PromptTree],
+        walkers: Sequence[int],
+        uniforms: Sequence[np.ndarray | None],
+    ) -> list[Selection]:
+        """The nodes of each of `trees` worth verifying for its `walkers` slots (with their
+        uniforms, where known: `expected_walkers`), all of them while the costs are unknown, or
+        with the budget off."""
+        reach = expected_walkers(trees, walkers, uniforms, self.drifts, self.shift)
+        return [self._selection(*args) for args in zip(trees, walkers, reach, strict=True)]
+
+    def _selection(self, tree: PromptTree, walkers: int, reach: np.ndarray) -> Selection:
+        counts = tree.count
         # the share of the prompt's tokens the walks are expected to reuse, were all verified
         reuse = (
             float(reach.sum() / (walkers * sum(counts[1:]) / counts[ROOT]))
@@ -310,6 +333,12 @@ class TrieBudget(VerifyCosts):
         """One call's whole-trie walks (`reachable`): [moves taken, moves predicted] by kind
         (`drift_bucket`)."""
         self._moves = self.decay * self._moves + moves
+
+    def observe_shifts(self, old: np.ndarray, new: np.ndarray) -> None:
+        """One pass's verified nodes whose drawn intervals the trie knew: their ends as drawn
+        (`old` [M, 2]) and under the current policy (`new` [M, 2])."""
+        moved = np.abs(new - old)
+        self._shifts = self.decay * self._shifts + (float(moved.sum()), moved.size)
 
     def observe_loop(self, lengths: Sequence[int], reusable: Sequence[int]) -> None:
         """One call's slots (all of them: they share the decode loop): each response's length,

@@ -74,11 +74,21 @@ class TrieReuse(Reuse):
         groups: dict[tuple, list[int]] = {}  # (prompt id, context) → its walkers (rows below)
         for row, i in enumerate(walkers):
             groups.setdefault((slots[i].prompt.prompt_id, slots[i].prompt.ids), []).append(row)
+        seeds = torch.tensor([slots[i].seed for i in walkers])[:, None]
+        first = torch.tensor([len(slots[i].prompt.ids) for i in walkers])[:, None]
+        positions = first + torch.arange(max(slots[i].budget for i in walkers))[None, :]
+        uniforms = seeded_uniform(seeds.expand_as(positions), positions).numpy()  # [S, R]
+        trees = [self.tree.get(prompt_id) for prompt_id, _ in groups]
+        selections = self.budget.select_all(
+            trees,
+            [len(rows) for rows in groups.values()],
+            [uniforms[rows] for rows in groups.values()],
+        )
         tries = []  # (context, tree, its selection, rows) of the prompts verified
-        for (prompt_id, ids), rows in groups.items():
-            tree = self.tree.get(prompt_id)
+        for ((_, ids), rows), tree, selection in zip(
+            groups.items(), trees, selections, strict=True
+        ):
             stats.trie_nodes_stored += tree.nodes
-            selection = self.budget.select(tree, len(rows))
             if selection.nodes:
                 tries.append((ids, tree, selection, rows))
             else:
@@ -107,10 +117,11 @@ class TrieReuse(Reuse):
         stats.trie_nodes += verified_nodes
         stats.verified_tokens += verified_nodes
         stats.trie_expected_tokens += sum(sel.expected_tokens for _, _, sel, _ in tries)
-        seeds = torch.tensor([slots[i].seed for i in walkers])[:, None]
-        first = torch.tensor([len(slots[i].prompt.ids) for i in walkers])[:, None]
-        positions = first + torch.arange(max(slots[i].budget for i in walkers))[None, :]
-        uniforms = seeded_uniform(seeds.expand_as(positions), positions).numpy()  # [S, R]
+        shifts = [
+            drawn_shifts(tree, sel.nodes, request.parents, trie)
+            for (_, tree, sel, _), request, trie in zip(tries, requests, verified, strict=True)
+        ]
+        self.budget.observe_shifts(*(np.concatenate(ends) for ends in zip(*shifts, strict=True)))
         eos = self.engine.eos_token_ids
         for (_, tree, selection, rows), trie in zip(tries, verified, strict=True):
             walking = [slots[walkers[row]] for row in rows]
@@ -157,6 +168,7 @@ class TrieReuse(Reuse):
         stats.trie_forward_cost_s = self.budget.forward_cost or 0.0
         stats.trie_prompt_cost_s = self.budget.prompt_cost
         stats.trie_drift = self.budget.drift
+        stats.trie_shift = self.budget.shift
         stats.trie_loop_factor = self.budget.loop_factor or 0.0
 
 
@@ -168,6 +180,28 @@ def _request(
     index = {ROOT: 0} | {v: i for i, v in enumerate(nodes, start=1)}
     parents = [index[tree.parent[v]] for v in nodes]
     return TrieRequest(prompt_ids, parents, [tree.token[v] for v in nodes], sampling)
+
+
+def drawn_shifts(
+    tree: PromptTree, nodes: Sequence[int], parents: Sequence[int], trie: TrieLogprobs
+) -> tuple[np.ndarray, np.ndarray]:
+    """Of the verified `nodes` (tree ids; `parents`: their parents' rows in `trie`, 0 the
+    root) whose drawn intervals `tree` knows: those intervals [M, 2], and the intervals the
+    current policy gives the same moves [M, 2]."""
+    index = np.asarray(nodes, dtype=np.int64)
+    old = np.stack([np.asarray(tree.lower)[index], np.asarray(tree.upper)[index]], 1)
+    new = trie_intervals(trie, parents)[1:]
+    known = ~np.isnan(old[:, 0])
+    return old[known], new[known]
+
+
+def trie_intervals(trie: TrieLogprobs, parents: Sequence[int]) -> np.ndarray:
+    """The drawn interval (a, b] of the move to each node of a verified trie (`parents`: each
+    node's parent's row, 0 the root): its interval scaled by its parent's total, [N + 1, 2]
+    (NaN at the root, which no move reaches)."""
+    scale = trie.total[np.asarray(parents, dtype=np.int64)]
+    moves = np.stack([trie.low[1:] / scale, trie.high[1:] / scale], 1)
+    return np.concatenate([np.full((1, 2), np.nan), moves])
 
 
 def walk_trie(
@@ -190,12 +224,15 @@ def walk_trie(
     current = trie.logprobs.tolist()
     kids: list[list[tuple[int, int]]] = [[] for _ in range(len(nodes) + 1)]  # (token, row)
     row_of = {ROOT: 0}
+    up = [0] * (len(nodes) + 1)  # each row's parent's row
     for row, v in enumerate(nodes, start=1):
         row_of[v] = row
-        kids[row_of[tree.parent[v]]].append((tree.token[v], row))
+        up[row] = row_of[tree.parent[v]]
+        kids[up[row]].append((tree.token[v], row))
+    drawn = list(map(tuple, trie_intervals(trie, up[1:]).tolist()))
     walks = []
     for slot_uniforms, budget in zip(uniforms.tolist(), budgets, strict=True):
-        at, tokens, logprobs = 0, [], []
+        at, tokens, rows = 0, [], []
         finish: FinishReason | None = "length"
         excluded: tuple[int, ...] = ()
         while len(tokens) < budget:
@@ -210,11 +247,12 @@ def walk_trie(
                 break
             token, at = step
             tokens.append(token)
-            logprobs.append(current[at])
+            rows.append(at)
             if token in eos_token_ids:
                 finish = "stop"
                 break
-        walks.append(Reused(tokens, logprobs, finish, excluded))
+        logprobs, intervals = [current[r] for r in rows], [drawn[r] for r in rows]
+        walks.append(Reused(tokens, logprobs, finish, excluded, intervals=intervals))
     return walks
 
 

@@ -1,0 +1,90 @@
+"""Where a prompt's walkers are expected to go in its history trie: E[walkers reaching v] for
+every node v, what the trie budget (budget.py) weighs a node's verification by.
+
+**From the counts.** A walker at node u moves to child v with probability ≈ ρ_k · count[v] /
+count[u]: the share of u's earlier responses that went on to v, times the drift of that kind of
+move (`drift_bucket`), the same for every walker.
+
+**From the walker's own uniforms.** A walker's uniforms are known before the pass (the seeded
+uniforms of its response positions), and a trie keeps, for each node, the drawn interval (a, b]
+of the move to it: the uniforms that drew its token there under the policy of its last draw
+(`sampling.draw`, kept from the walks' and decoding's draws by `PromptTree`). The current policy
+has moved those ends a little; with the move Laplace-distributed of scale σ (the budget's `shift`:
+the mean distance the ends of verified nodes moved from what the trie held), a walker with uniform
+u at the move takes it with P = F(u − a) − F(u − b). Where the trie knows the intervals, the
+expected walkers at v are the sum over the walkers of the product of their own P along the path:
+each walker's path predicted, not the average walker's. The counts price the moves whose intervals
+the trie does not know (tokens of an engine whose sampler is not specrl's, run-ahead responses).
+
+Every move's probability is at most 1, so along a path the expected walkers never grow.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+
+import numpy as np
+
+from specrl.speculative.tree import PromptTree
+
+
+def expected_walkers(
+    trees: Sequence[PromptTree],
+    walkers: Sequence[int],
+    uniforms: Sequence[np.ndarray | None],
+    drifts: np.ndarray,
+    shift: float,
+) -> list[np.ndarray]:
+    """E[walkers reaching each node] [N + 1] (0 at the root) of each of `trees`, walked by
+    `walkers[i]` slots whose uniforms at response positions 0, 1, ... are `uniforms[i]`
+    [walkers[i], R] (None: not known; then nodes deeper than R are never reached), with drifts ρ_k
+    per kind of move (`drifts` [DRIFT_BUCKETS]) and the intervals' shift σ (`shift`). The trees
+    are walked together, depth by depth, as one forest of `max(walkers)` walkers (those a tree
+    lacks reach nothing)."""
+    sizes = [len(tree.count) for tree in trees]
+    offsets = np.cumsum([0, *sizes])
+    roots = offsets[:-1]
+    count = np.concatenate([np.asarray(t.count, dtype=np.float64) for t in trees])
+    # a root's parent (-1) becomes a node of the tree before: never read (depth 0)
+    parent = np.concatenate([np.asarray(t.parent) + r for t, r in zip(trees, roots, strict=True)])
+    depth = np.concatenate([np.asarray(t.depth) for t in trees])
+    lower = np.concatenate([np.asarray(t.lower) for t in trees])
+    upper = np.concatenate([np.asarray(t.upper) for t in trees])
+    nodes = np.flatnonzero(depth > 0)
+    up = parent[nodes]
+    # the kind of each move (`drift_bucket`): the only way on, held by 1, 2, 3, 4+; a branch
+    # one response took; a branch more took
+    only = count[nodes] == count[up]
+    kind = np.where(only, np.minimum(count[nodes], 4) - 1, np.where(count[nodes] == 1, 4, 5))
+    width = max(walkers)
+    move = np.zeros((len(count), width))  # [N + 1 over all trees, W]
+    move[nodes] = (drifts[kind.astype(np.int64)] * count[nodes] / count[up])[:, None]
+    horizon = np.repeat([len(count) if u is None else u.shape[1] for u in uniforms], sizes)
+    # each node's walkers' uniforms at its move (NaN: not known, or no such walker)
+    at = np.full((len(count), width), np.nan)
+    for tree_uniforms, first, size in zip(uniforms, roots, sizes, strict=True):
+        if tree_uniforms is not None:
+            moves = np.arange(first + 1, first + size)
+            position = np.minimum(depth[moves], tree_uniforms.shape[1]) - 1  # deeper: below
+            at[moves, : len(tree_uniforms)] = tree_uniforms[:, position].T
+    predicted = _laplace_cdf(at - lower[:, None], shift) - _laplace_cdf(at - upper[:, None], shift)
+    known = ~np.isnan(lower)[:, None] & ~np.isnan(at)
+    move[known] = predicted[known]
+    move[depth > horizon] = 0.0
+    move[np.arange(width)[None, :] >= np.repeat(walkers, sizes)[:, None]] = 0.0
+    reach = np.ones((len(count), width))  # [N + 1 over all trees, W]
+    order = np.argsort(depth, kind="stable")
+    ends = np.cumsum(np.bincount(depth))
+    for start, end in itertools.pairwise(ends.tolist()):  # depth by depth
+        level = order[start:end]
+        reach[level] = reach[parent[level]] * move[level]
+    expected = reach.sum(1)
+    expected[roots] = 0.0
+    return np.split(expected, offsets[1:-1])
+
+
+def _laplace_cdf(x: np.ndarray, scale: float) -> np.ndarray:
+    """P(X ≤ x) for X ~ Laplace(0, scale)."""
+    half = 0.5 * np.exp(-np.abs(x) / scale)
+    return np.where(x < 0, half, 1.0 - half)
