@@ -1,5 +1,7 @@
 """Token trees (SRT, arXiv 2601.09083): per prompt, a trie of earlier responses with counts, used
-as a model-free draft source for the tokens that still have to be decoded.
+as a model-free draft source for the tokens that still have to be decoded, and as the history
+trie that slots walk (speculative/reuse/trie.py); each node also keeps the drawn interval of the
+move to it, where its response's draw reported one (the trie budget predicts walks by it).
 
 A prompt's tree holds its responses from the last `window` times it was rolled out (all slots),
 plus responses of the current step as they finish (online). A proposal for a sequence being
@@ -55,14 +57,17 @@ class PromptTree:
         # while the policy's interval still holds u
         self.lower, self.upper = [math.nan], [math.nan]
         self.by_token: dict[int, list[int]] = {}
-        # a prompt's slots often hold the same response: each distinct one added once, in the
-        # order of its last copy, with that copy's intervals (the latest win along shared paths)
-        last: dict[tuple[int, ...], tuple[int, np.ndarray | None]] = {}
+        for tokens, times in Counter(tokens for _, tokens in self.responses).items():
+            self._add(tokens, times)  # a prompt's slots often hold the same response
+        # then each distinct response's intervals, in the order of its last copy that knew
+        # them: the latest win along shared paths
+        last: dict[tuple[int, ...], np.ndarray] = {}
         for (_, tokens), drawn in zip(self.responses, self.drawn, strict=True):
-            times, known = last.pop(tokens, (0, None))
-            last[tokens] = (times + 1, known if drawn is None else drawn)
-        for tokens, (times, drawn) in last.items():
-            self._add(tokens, times, drawn)
+            if drawn is not None:
+                last.pop(tokens, None)
+                last[tokens] = drawn
+        for tokens, drawn in last.items():
+            self._draw(tokens, drawn)
 
     @property
     def nodes(self) -> int:
@@ -124,6 +129,14 @@ class PromptTree:
                 if a == a:  # not NaN
                     lower[child], upper[child] = a, z
             node = child
+
+    def _draw(self, tokens: tuple[int, ...], drawn: np.ndarray) -> None:
+        """Set the drawn intervals along a stored response's path (NaN: left as they are)."""
+        children, lower, upper, node = self.children, self.lower, self.upper, ROOT
+        for t, (a, z) in zip(tokens, drawn.tolist(), strict=True):
+            node = children[node][t]
+            if a == a:  # not NaN
+                lower[node], upper[node] = a, z
 
     def next_round(self, window: int) -> int:
         """The prompt is rolled out again: keep the responses of the last `window - 1` rounds
