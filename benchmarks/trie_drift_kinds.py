@@ -1,5 +1,5 @@
 """The trie budget with one drift ρ for every move against one per kind of move
-(`budget.drift_bucket`): two trie arms of the built-in task in one process, taking turns step by
+(`walkers.drift_bucket`): two trie arms of the built-in task in one process, taking turns step by
 step (the first going first in odd steps), the same config, seed and data; arm `one` prices
 every move with the pooled ρ (the budget before kinds), arm `kinds` as the code does.
 
@@ -26,7 +26,8 @@ import numpy as np
 
 from specrl.bench import arm_config
 from specrl.config import load_config
-from specrl.speculative.reuse.budget import DRIFT_BUCKETS, TrieBudget
+from specrl.speculative.reuse.budget import TrieBudget
+from specrl.speculative.reuse.walkers import DRIFT_BUCKETS
 from specrl.trainer import Trainer
 
 KEYS = ("timing_s/rollout", "timing_s/verify", "spec/trie/nodes", "spec/trie/nodes_stored",

@@ -15,9 +15,9 @@ from specrl.engines.accounting import ForwardCounts
 from specrl.engines.hf import HFEngine
 from specrl.rollouts import sample_rollouts
 from specrl.speculative.drafting import DraftWidth
-from specrl.speculative.reuse.budget import DRIFT_BUCKETS, TrieBudget, drift_bucket
+from specrl.speculative.reuse.budget import TrieBudget
 from specrl.speculative.reuse.trie import reachable
-from specrl.speculative.reuse.walkers import expected_walkers
+from specrl.speculative.reuse.walkers import DRIFT_BUCKETS, drift_bucket, expected_walkers
 from specrl.speculative.stage import SpeculativeStage
 from specrl.speculative.tree import PromptTree
 from specrl.types import Example, Prompt

@@ -98,7 +98,7 @@ import numpy as np
 
 from specrl.engines.accounting import ForwardCounts
 from specrl.speculative.drafting import DraftWidth
-from specrl.speculative.reuse.walkers import expected_walkers
+from specrl.speculative.reuse.walkers import DRIFT_BUCKETS, expected_walkers
 from specrl.speculative.tree import ROOT, PromptTree
 
 
@@ -196,20 +196,6 @@ class VerifyCosts:
         self._prefilled = (counts.prefill_seconds, counts.prefill_computed_positions)
         if seconds > 0 and positions > 0:
             self._prefill = self.decay * self._prefill + (seconds, positions)
-
-
-DRIFT_BUCKETS = 6  # the kinds of move ρ is fitted apart for (`drift_bucket`)
-
-
-def drift_bucket(parent_count: int, count: int) -> int:
-    """What kind of move a walker makes from a node `parent_count` earlier responses passed
-    through to a child `count` of them went on to: 0-3, the only way on so far, its count 1, 2,
-    3 or more (one earlier response is one sample of where the policy goes); 4, a branch one
-    response took; 5, a branch more took (a branch seen once among many was likelier than its
-    share to be seen at all)."""
-    if count == parent_count:
-        return min(count, 4) - 1
-    return 4 if count == 1 else 5
 
 
 class TrieBudget(VerifyCosts):

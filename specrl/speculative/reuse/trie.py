@@ -22,7 +22,8 @@ from specrl.engines import (
 )
 from specrl.engines.sampling import seeded_uniform
 from specrl.speculative.reuse.base import Reuse
-from specrl.speculative.reuse.budget import DRIFT_BUCKETS, TrieBudget, drift_bucket
+from specrl.speculative.reuse.budget import TrieBudget
+from specrl.speculative.reuse.walkers import DRIFT_BUCKETS, drift_bucket
 from specrl.speculative.slots import Reused, Slot
 from specrl.speculative.stats import RolloutStats
 from specrl.speculative.tree import ROOT, PromptTree, TokenTree

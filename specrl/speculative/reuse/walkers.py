@@ -28,6 +28,19 @@ import numpy as np
 
 from specrl.speculative.tree import PromptTree
 
+DRIFT_BUCKETS = 6  # the kinds of move ρ is fitted apart for (`drift_bucket`)
+
+
+def drift_bucket(parent_count: int, count: int) -> int:
+    """What kind of move a walker makes from a node `parent_count` earlier responses passed
+    through to a child `count` of them went on to: 0-3, the only way on so far, its count 1, 2,
+    3 or more (one earlier response is one sample of where the policy goes); 4, a branch one
+    response took; 5, a branch more took (a branch seen once among many was likelier than its
+    share to be seen at all)."""
+    if count == parent_count:
+        return min(count, 4) - 1
+    return 4 if count == 1 else 5
+
 
 def expected_walkers(
     trees: Sequence[PromptTree],
@@ -53,13 +66,13 @@ def expected_walkers(
     upper = np.concatenate([np.asarray(t.upper) for t in trees])
     nodes = np.flatnonzero(depth > 0)
     up = parent[nodes]
-    # the kind of each move (`drift_bucket`): the only way on, held by 1, 2, 3, 4+; a branch
-    # one response took; a branch more took
-    only = count[nodes] == count[up]
-    kind = np.where(only, np.minimum(count[nodes], 4) - 1, np.where(count[nodes] == 1, 4, 5))
+    held = count.astype(np.int64)
+    kinds = [
+        drift_bucket(*move) for move in zip(held[up].tolist(), held[nodes].tolist(), strict=True)
+    ]
     width = max(walkers)
     move = np.zeros((len(count), width))  # [N + 1 over all trees, W]
-    move[nodes] = (drifts[kind.astype(np.int64)] * count[nodes] / count[up])[:, None]
+    move[nodes] = (drifts[kinds] * count[nodes] / count[up])[:, None]
     horizon = np.repeat([len(count) if u is None else u.shape[1] for u in uniforms], sizes)
     # each node's walkers' uniforms at its move (NaN: not known, or no such walker)
     at = np.full((len(count), width), np.nan)
