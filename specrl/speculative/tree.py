@@ -93,18 +93,16 @@ class PromptTree:
                 drawn = None
         self.responses.extend([(self.round, tokens)] * times)
         self.drawn.extend([drawn] * times)
-        self._add(tokens, times, drawn)
+        self._add(tokens, times)
+        if drawn is not None:
+            self._draw(tokens, drawn)
         self.version += 1
 
-    def _add(
-        self, tokens: tuple[int, ...], times: int = 1, drawn: np.ndarray | None = None
-    ) -> None:
+    def _add(self, tokens: tuple[int, ...], times: int = 1) -> None:
         children, count, continued, best = self.children, self.count, self.continued, self.best
-        lower, upper = self.lower, self.upper
-        intervals = drawn.tolist() if drawn is not None else None
         node = ROOT
         count[ROOT] += times
-        for i, t in enumerate(tokens):
+        for t in tokens:
             continued[node] += times
             child = children[node].get(t)
             if child is None:
@@ -116,18 +114,14 @@ class PromptTree:
                 continued.append(0)
                 children.append({})
                 best.append(-1)
-                lower.append(math.nan)
-                upper.append(math.nan)
+                self.lower.append(math.nan)
+                self.upper.append(math.nan)
                 children[node][t] = child
                 self.by_token.setdefault(t, []).append(child)
             count[child] += times
             b = best[node]
             if b < 0 or count[child] > count[b] or (count[child] == count[b] and child < b):
                 best[node] = child
-            if intervals is not None:
-                a, z = intervals[i]
-                if a == a:  # not NaN
-                    lower[child], upper[child] = a, z
             node = child
 
     def _draw(self, tokens: tuple[int, ...], drawn: np.ndarray) -> None:
