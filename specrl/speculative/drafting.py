@@ -54,6 +54,7 @@ class DraftWidth:
     """
 
     refit_every = 8
+    least_cost = 1e-12  # a per-sequence or per-draft cost fitted at or below zero is clamped here
 
     def __init__(
         self,
@@ -105,9 +106,10 @@ class DraftWidth:
         else:
             return None
         if measured == 2:
-            return max(c[0], 0.0), max(c[1], 1e-12), None, None
+            return max(c[0], 0.0), max(c[1], self.least_cost), None, None
+        least = self.least_cost
         return (
-            max(c[0], 0.0), max(c[1], 1e-12), max(c[2], 1e-12),
+            max(c[0], 0.0), max(c[1], least), max(c[2], least),
             max(c[3], 0.0) if measured == 4 else 0.0,
         )  # fmt: skip
 

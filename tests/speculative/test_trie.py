@@ -425,6 +425,24 @@ def test_late_in_rl_a_reused_token_is_priced_by_the_forwards_it_removes_not_by_t
     assert TrieBudget(width=width).hindsight_token_cost is None  # no loop evidence yet
 
 
+def test_a_fit_that_finds_rows_free_on_an_engine_that_computes_them_prices_a_token_as_decodings_average():
+    """Forwards too alike in batch size can fit a row's cost at or below zero (the built-in run,
+    step 100: a token priced at a tenth of a node, and the next step verified nothing). A row is
+    never free where the engine computes each: the fit is no measurement of it, and c_token is
+    decoding's average, as before a fit."""
+    width = DraftWidth(4)
+    for rows in range(2, 34, 4):
+        width.observe_forward(rows, rows, 0.2 - 0.001 * rows)  # seconds fall as rows grow
+    assert width.cost()[1] == width.least_cost
+    budget = TrieBudget(width=width)
+    budget.observe_verify(0.03, 1)
+    budget.observe_decode(5.0, 100)  # a = 0.05 s per token
+    budget.observe_loop([10, 10, 10, 10], [9, 9, 9, 0])  # reuse removes no forward of the loop
+    assert budget.row_cost is None and budget.hindsight_token_cost is None
+    assert budget.token_cost(0.0) == pytest.approx(0.05)
+    assert budget.select(trie_of([[3, 4, 5, 6]] * 4), 4).nodes == [1, 2, 3, 4]
+
+
 @pytest.mark.parametrize("token_cost", [0.4, 1e-6], ids=["pruned", "nothing-pays"])
 def test_a_pruned_trie_keeps_the_rollouts_vanilla_token_for_token(toy_run, token_cost):
     """Where the budget verifies part of a trie (or none of it: then no trie pass runs at all),

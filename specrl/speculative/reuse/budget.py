@@ -65,7 +65,9 @@ node verified (Σ E[walkers reaching v] over W · Σ count[v] / count[root]); ea
 tokens are reused, the two prices agree. On an engine that decodes as CUDA graphs a row costs
 nothing (`rows_free`: a bucket's graph computes all its rows), so cs = 0 and nothing is verified
 until reuse shortens the loop; elsewhere, until cs is fitted (too little spread in the forwards'
-batch sizes), c_token is a. Until a verification pass has been timed,
+batch sizes), and whenever the fit puts it at zero (the forwards too alike to tell a row from the
+forward or its drafts: once in the built-in run's 128 steps, and that step priced a token at a
+tenth of a node and verified nothing), c_token is a. Until a verification pass has been timed,
 c_node is the engine's prefill seconds per position (a pass computes its positions as a prefill
 does; decoding's prefills are timed from the first call on). All evidence decays by `decay` per
 call. Each ρ_k has a prior of one predicted move, 0.9 of it taken: before any walk, the policy is
@@ -166,11 +168,13 @@ class VerifyCosts:
     @property
     def row_cost(self) -> float | None:
         """What one more row costs a decode forward: nothing on an engine that decodes as CUDA
-        graphs (a bucket's graph computes all its rows), else as fitted (None: not yet)."""
+        graphs (a bucket's graph computes all its rows), else as fitted (None: not yet, or a fit
+        that found rows free on an engine that computes each: forwards too alike in batch size
+        to tell a row's cost from the forward's or the drafts')."""
         if self.rows_free:
             return 0.0
         fit = self.width.cost() if self.width is not None else None
-        return None if fit is None else fit[1]
+        return None if fit is None or fit[1] <= self.width.least_cost else fit[1]
 
     def token_cost(self, reuse: float) -> float | None:
         """What one reused token saves where a share `reuse` of the tokens is expected to be
