@@ -142,8 +142,15 @@ def run_bench(
         cfg = cfg.model_copy(deep=True)
         cfg.trainer.num_threads, why = run_threads("auto", None)
         log(f"bench: {why or f'torch threads: {cfg.trainer.num_threads}'} (every arm)")
-    for arm in arms:  # an arm the config cannot run stops the bench before any training
-        arm_config(cfg, arm, seeds[0], out_dir)
+    # an arm the config cannot run stops the bench before any training
+    configs = {arm: arm_config(cfg, arm, seeds[0], out_dir) for arm in arms}
+    alike = [
+        f"the arms {', '.join(group)} roll out with the same config here (tree drafts `auto` are "
+        "on wherever speculation is): what separates their figures is this machine's noise"
+        for group in alike_arms(configs)
+    ]
+    for warning in alike:
+        log(f"bench: warning: {warning}")
     runs: dict[str, list[list[dict[str, float]]]] = {arm: [] for arm in arms}
     plotted: dict[str, list[dict[str, float]]] = {}
     load = {"start": _load_average()}  # the machine's load before and after each run
@@ -175,10 +182,10 @@ def run_bench(
     result["interleaved"] = interleave
     result["warmup"] = warmup
     result["load_average"] = load
-    result["warnings"] = timing_warnings(result, load, os.cpu_count() or 1)
+    result["warnings"] = alike + timing_warnings(result, load, os.cpu_count() or 1)
     for line in window_lines(result):
         log(f"bench: {line}")
-    for warning in result["warnings"]:
+    for warning in result["warnings"][len(alike) :]:
         log(f"bench: warning: {warning}")
     result["model_shape"] = asdict(shape)
     if engine_kind(cfg.rollout.name).timed_forwards:
@@ -368,6 +375,17 @@ def policy_shape(model_dir: Path) -> ModelShape:
 
 def _load_average() -> list[float]:
     return [round(x, 2) for x in os.getloadavg()]
+
+
+def alike_arms(configs: dict[str, Config]) -> list[list[str]]:
+    """The groups of arms whose rollouts are configured alike once `auto` token-tree drafts are
+    resolved (`uses_tree`): under the defaults trie and trie+tree, spec and spec+tree."""
+    groups: dict[str, list[str]] = {}
+    for arm, arm_cfg in configs.items():
+        spec = arm_cfg.rollout.spec.model_copy(deep=True)
+        spec.tree.enabled = spec.uses_tree()
+        groups.setdefault(spec.model_dump_json(), []).append(arm)
+    return [group for group in groups.values() if len(group) > 1]
 
 
 def arm_config(cfg: Config, arm: str, seed: int, seed_dir: Path) -> Config:

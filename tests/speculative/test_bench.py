@@ -3,7 +3,7 @@ import math
 
 import pytest
 
-from specrl.bench import ARMS, parse_arms, parse_seeds, run_bench
+from specrl.bench import ARMS, alike_arms, arm_config, parse_arms, parse_seeds, run_bench
 from specrl.cli import main
 from specrl.config import load_config
 from specrl.errors import UserError
@@ -66,6 +66,12 @@ def test_bench_trains_every_arm_and_writes_json_and_plot(tiny_policy_dir, tmp_pa
     assert arms["trie+tree"]["decoded_tokens"] == arms["trie"]["decoded_tokens"]
     assert arms["trie+tree"]["final_acc"] == arms["vanilla"]["final_acc"]
     assert arms["trie+tree"]["accepted_draft_tokens"] > 0
+    # tree drafts `auto`: trie+tree is the trie arm, spec+tree the spec arm, and the bench says so
+    assert result["warnings"][:2] == [
+        f"the arms {pair} roll out with the same config here (tree drafts `auto` are on wherever "
+        "speculation is): what separates their figures is this machine's noise"
+        for pair in ("spec, spec+tree", "trie, trie+tree")
+    ]
     assert 0 < arms["trie"]["reused_token_ratio_per_epoch"]["1"] <= 1
     # the vanilla arm never reads the store; the spec arm starts reusing once prompts repeat
     vanilla = [
@@ -93,6 +99,19 @@ def test_arms_are_checked(capsys, tmp_path):
     assert parse_seeds("1, 2,1") == [1, 2] and parse_seeds(None) is None
     assert main(["bench", "--seeds", "1,x"]) == 2
     assert "--seeds '1,x': give comma-separated non-negative integers" in capsys.readouterr().err
+
+
+def test_arms_that_roll_out_alike_are_found_whatever_their_names(tmp_path):
+    """Tree drafts `auto` are on wherever speculation is, so under the defaults an arm that turns
+    them on is the arm without: the bench names such arms before it trains (a difference between
+    them is noise); with tree drafts off every arm is its own."""
+    hf = [arm for arm in ARMS if "suffix" not in arm]  # the suffix arms are vLLM's
+    for overrides, alike in (
+        ([], [["spec", "spec+tree"], ["trie", "trie+tree"]]),
+        (["rollout.spec.tree.enabled=false"], []),
+    ):
+        cfg = load_config(None, overrides)
+        assert alike_arms({arm: arm_config(cfg, arm, 1, tmp_path) for arm in hf}) == alike
 
 
 def test_bench_pools_seeds(tiny_policy_dir, tmp_path):
