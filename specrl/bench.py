@@ -27,7 +27,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import json
-import math
 import os
 import random
 import time
@@ -40,7 +39,7 @@ import numpy as np
 import torch
 
 from specrl.assemble import trainer_device
-from specrl.bench_summary import WINDOW_STEPS, summarize, window_lines
+from specrl.bench_summary import WINDOW_STEPS, summarize, timing_warnings, window_lines
 from specrl.config import Config, ConfigError, validated
 from specrl.cost_model import ModelShape
 from specrl.engines.build import engine_kind
@@ -270,9 +269,6 @@ class RandomState:
             self.save()
 
 
-EPOCH0_TOLERANCE = 0.15  # the arms' first epochs, the same work, may differ this much
-
-
 def warm_up(cfg: Config, out_dir: Path, steps: int, log) -> dict[str, Any]:
     """An untimed vanilla run of `steps` steps (no evaluation, no checkpoint) with the bench's
     config: what the first training in a process pays once is paid here, not by the first arm."""
@@ -287,56 +283,6 @@ def warm_up(cfg: Config, out_dir: Path, steps: int, log) -> dict[str, Any]:
     started = time.perf_counter()
     Trainer(warm).fit()
     return {"arm": "vanilla", "steps": steps, "seconds": time.perf_counter() - started}
-
-
-def timing_warnings(result: dict[str, Any], load: dict[str, list[float]], cores: int) -> list[str]:
-    """What makes the timings of a bench untrustworthy: a machine already busy when it started
-    (1-minute load average ≥ half the cores), busier than the runs themselves make it (≥ 1.5x
-    the cores after a run), an arm whose first epoch (nothing to reuse yet: the same work as
-    vanilla's) took a different time, or an arm faster per response token than its own limit
-    `1 / ((1 − a) + r_eff · a)`, which only a disturbed vanilla arm produces. The last two only
-    where the difference is also beyond two standard errors of the arms' paired steps: within
-    them it is the steps' own noise (short steps on a busy host), which the windows' "± se"
-    states."""
-    warnings = []
-    if load["start"][0] >= cores / 2:
-        warnings.append(
-            f"the machine was busy when the bench started (load average {load['start'][0]:.2f} "
-            f"on {cores} cores): run benchmarks alone"
-        )
-    busy = [run for run, (one, *_) in load.items() if run != "start" and one >= 1.5 * cores]
-    if busy:
-        warnings.append(
-            f"the machine was busier than the bench makes it after {', '.join(busy)} (1-minute "
-            f"load average ≥ {1.5 * cores:g} on {cores} cores): other work disturbed the timings"
-        )
-    vanilla_tokens = result["arms"]["vanilla"]["response_tokens"]
-    first = result["arms"]["vanilla"]["epoch0_rollout_s"]
-    for arm, summary in result["arms"].items():
-        apart = summary["epoch0_rollout_s"] / first - 1 if first else 0.0
-        log_se = summary.get("epoch0_log_ratio_se")
-        beyond_noise = log_se is None or abs(math.log1p(apart)) > 2 * log_se
-        if arm != "vanilla" and abs(apart) > EPOCH0_TOLERANCE and beyond_noise:
-            warnings.append(
-                f"the {arm} arm's first epoch, the same work as vanilla's, took "
-                f"{summary['epoch0_rollout_s']:.1f} s against {first:.1f} s ({apart:+.0%}): the "
-                "machine's speed moved during the bench, or the arm's own work around the model "
-                "(its stage's host work, which short steps show) costs that much; compare within "
-                "arms, or rerun alone"
-            )
-        # the limit holds per response token: arms that train apart sample responses of their
-        # own lengths (on a real model, visibly)
-        per_token = summary["response_tokens"] / max(vanilla_tokens, 1)
-        speedup = summary["rollout_speedup"] * per_token
-        se = (summary.get("rollout_speedup_se") or 0.0) * per_token
-        limit = summary["limit_speedup"]
-        if arm != "vanilla" and speedup > 1.02 * limit and speedup - 2 * se > limit:
-            warnings.append(
-                f"the {arm} arm's rollout speedup per response token {speedup:.2f} exceeds its "
-                f"limit {limit:.2f}: the vanilla arm was slowed by something "
-                "else; rerun alone"
-            )
-    return warnings
 
 
 def _check_cost_model(

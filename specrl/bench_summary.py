@@ -1,5 +1,6 @@
 """The figures of a finished `specrl bench`: every arm's speed, reuse and accuracy against the
-vanilla arm's, pooled over seeds (`summarize`, what bench.json holds)."""
+vanilla arm's, pooled over seeds (`summarize`, what bench.json holds), and what makes its timings
+untrustworthy (`timing_warnings`)."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from specrl.run_dir import heldout_metric
 from specrl.speculative.stats import RolloutStats
 
 WINDOW_STEPS = 8  # steps per window of the per-window figures
+EPOCH0_TOLERANCE = 0.15  # the arms' first epochs, the same work, may differ this much
 
 
 def summarize(
@@ -324,3 +326,53 @@ def _mean(values: Sequence[float | None]) -> float | None:
 
 def _last(history: list[dict[str, float]], key: str) -> float | None:
     return next((m[key] for m in reversed(history) if key in m), None)
+
+
+def timing_warnings(result: dict[str, Any], load: dict[str, list[float]], cores: int) -> list[str]:
+    """What makes the timings of a bench untrustworthy: a machine already busy when it started
+    (1-minute load average ≥ half the cores), busier than the runs themselves make it (≥ 1.5x
+    the cores after a run), an arm whose first epoch (nothing to reuse yet: the same work as
+    vanilla's) took a different time, or an arm faster per response token than its own limit
+    `1 / ((1 − a) + r_eff · a)`, which only a disturbed vanilla arm produces. The last two only
+    where the difference is also beyond two standard errors of the arms' paired steps: within
+    them it is the steps' own noise (short steps on a busy host), which the windows' "± se"
+    states."""
+    warnings = []
+    if load["start"][0] >= cores / 2:
+        warnings.append(
+            f"the machine was busy when the bench started (load average {load['start'][0]:.2f} "
+            f"on {cores} cores): run benchmarks alone"
+        )
+    busy = [run for run, (one, *_) in load.items() if run != "start" and one >= 1.5 * cores]
+    if busy:
+        warnings.append(
+            f"the machine was busier than the bench makes it after {', '.join(busy)} (1-minute "
+            f"load average ≥ {1.5 * cores:g} on {cores} cores): other work disturbed the timings"
+        )
+    vanilla_tokens = result["arms"]["vanilla"]["response_tokens"]
+    first = result["arms"]["vanilla"]["epoch0_rollout_s"]
+    for arm, summary in result["arms"].items():
+        apart = summary["epoch0_rollout_s"] / first - 1 if first else 0.0
+        log_se = summary.get("epoch0_log_ratio_se")
+        beyond_noise = log_se is None or abs(math.log1p(apart)) > 2 * log_se
+        if arm != "vanilla" and abs(apart) > EPOCH0_TOLERANCE and beyond_noise:
+            warnings.append(
+                f"the {arm} arm's first epoch, the same work as vanilla's, took "
+                f"{summary['epoch0_rollout_s']:.1f} s against {first:.1f} s ({apart:+.0%}): the "
+                "machine's speed moved during the bench, or the arm's own work around the model "
+                "(its stage's host work, which short steps show) costs that much; compare within "
+                "arms, or rerun alone"
+            )
+        # the limit holds per response token: arms that train apart sample responses of their
+        # own lengths (on a real model, visibly)
+        per_token = summary["response_tokens"] / max(vanilla_tokens, 1)
+        speedup = summary["rollout_speedup"] * per_token
+        se = (summary.get("rollout_speedup_se") or 0.0) * per_token
+        limit = summary["limit_speedup"]
+        if arm != "vanilla" and speedup > 1.02 * limit and speedup - 2 * se > limit:
+            warnings.append(
+                f"the {arm} arm's rollout speedup per response token {speedup:.2f} exceeds its "
+                f"limit {limit:.2f}: the vanilla arm was slowed by something "
+                "else; rerun alone"
+            )
+    return warnings

@@ -149,7 +149,7 @@ def test_timings_of_a_disturbed_bench_are_flagged():
     from vanilla's and an arm faster than its own limit are each named, the last two when they
     are beyond the noise of the arms' paired steps; a quiet bench within its limits gets no
     warning."""
-    from specrl.bench import timing_warnings
+    from specrl.bench_summary import timing_warnings
 
     quiet = {"start": [0.1, 0.5, 1.0], "vanilla seed 1": [2.0, 1.9, 1.5]}
     arms = {"vanilla": {"rollout_speedup": 1.0, "limit_speedup": 1.0, "response_tokens": 1000,
