@@ -44,8 +44,12 @@ def test_bench_trains_every_arm_and_writes_json_and_plot(tiny_policy_dir, tmp_pa
     assert arms["spec"]["rollout_speedup"] == result["rollout_speedup"]
     # the noise of the arms' paired steps: 4 steps over the run, 2 in epoch 0
     assert arms["trie"]["rollout_speedup_se"] > 0 and arms["trie"]["epoch0_log_ratio_se"] >= 0
-    # what the trie arm's verification cost: without it, faster; vanilla verifies nothing
-    assert arms["trie"]["verify_free_speedup"] > arms["trie"]["rollout_speedup"]
+    # what the trie arm's verification cost (its verification seconds taken out, the prompts'
+    # prefill at vanilla's seconds: the formula is test_a_window_says_what_its_verification_cost's;
+    # on 4 tiny steps the two prefills' timing noise outweighs the verification) and vanilla's
+    trie_steps = read_metrics(tmp_path / "bench" / "trie")[1:]
+    assert sum(m["timing_s/verify"] for m in trie_steps) > 0
+    assert math.isfinite(arms["trie"]["verify_free_speedup"])
     assert arms["vanilla"]["verify_free_speedup"] == pytest.approx(1.0)
     # the spec arm is speculative rollouts as configured: by default its tail has tree drafts
     for arm in ("spec", "tree", "spec+tree"):
