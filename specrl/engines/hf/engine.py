@@ -20,6 +20,7 @@ from torch.nn.utils.rnn import pad_sequence
 from transformers import AutoModelForCausalLM, DynamicCache, PreTrainedModel
 
 from specrl.engines.accounting import ForwardCounts
+from specrl.engines.hf.attention import use_small_query_attention
 from specrl.engines.hf.decode import Decoder, left_pad, padded_counts, prefill_counts
 from specrl.engines.hf.kv_cache import layers_kv
 from specrl.engines.hf.prefix_cache import PrefixCache
@@ -60,6 +61,7 @@ class HFEngine:
         static_decode: bool = False,
     ) -> None:
         self.model = model
+        use_small_query_attention(model)  # drafts' few columns by matmul on the CPU
         self.eos_token_ids = frozenset(eos_token_ids)
         self.pad_token_id = pad_token_id
         self.max_batch_size = max_batch_size
