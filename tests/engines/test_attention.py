@@ -43,6 +43,17 @@ def test_draft_columns_after_a_cache_match_sdpa(heads, kv_heads, float_mask):
     torch.testing.assert_close(ours, sdpa, rtol=0, atol=1e-5)
 
 
+def test_float64_stays_float64():
+    # float64 runs compare trie and vanilla rollouts token for token (tests/test_realmodel.py)
+    query, key, value, mask = (
+        t.double() if t.is_floating_point() else t for t in inputs(2, 6, 2, 4, 30)
+    )
+    with torch.no_grad():
+        ours, _ = small_query_attention(Heads(6, 2), query, key, value, mask)
+        sdpa, _ = sdpa_attention_forward(Heads(6, 2), query, key, value, mask)
+    torch.testing.assert_close(ours, sdpa, rtol=0, atol=1e-12)
+
+
 def test_a_query_row_without_keys_stays_finite_and_leaves_the_others_alone():
     # a left-padded prompt position attends to nothing: -inf there would put NaN in the cache
     query, key, value, mask = inputs(2, 4, 4, columns=3, keys=20)

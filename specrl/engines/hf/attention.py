@@ -81,7 +81,9 @@ def matmul_attention(
         scores = scores.masked_fill(~mask, torch.finfo(scores.dtype).min)
     else:
         scores = scores + mask
-    weights = torch.softmax(scores, dim=-1, dtype=torch.float32).to(value.dtype)
+    # at least float32 (as transformers' eager attention for half precisions), float64 kept
+    precision = torch.promote_types(scores.dtype, torch.float32)
+    weights = torch.softmax(scores, dim=-1, dtype=precision).to(value.dtype)
     output = torch.matmul(weights, value).reshape(batch, heads, columns, dim)
     return output.transpose(1, 2).contiguous()
 
