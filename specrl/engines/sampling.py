@@ -128,6 +128,13 @@ def seeded_uniform(seeds: torch.Tensor, positions: torch.Tensor) -> torch.Tensor
     return (x.double() + 0.5) / 2.0**32
 
 
+def uniform_table(seeds: torch.Tensor, first: torch.Tensor, width: int) -> torch.Tensor:
+    """seeded_uniform of every row's next `width` positions, from `first` [B] on: [B, width]
+    float64, what decoding draws a request's coming tokens with."""
+    positions = first[:, None] + torch.arange(width, device=first.device)
+    return seeded_uniform(seeds[:, None].expand_as(positions), positions)
+
+
 def _mix32(x: torch.Tensor) -> torch.Tensor:
     x = ((x >> 16) ^ x) * 0x45D9F3B & _MASK32
     x = ((x >> 16) ^ x) * 0x45D9F3B & _MASK32

@@ -12,7 +12,7 @@ import torch
 
 from specrl.engines.hf.kv_cache import DecodeCache
 from specrl.engines.protocol import GenRequest
-from specrl.engines.sampling import RowSampling, seeded_uniform
+from specrl.engines.sampling import RowSampling, uniform_table
 
 
 @dataclass
@@ -50,7 +50,7 @@ class DecodeBatch:
             positions=positions,
             left=left,
             done=torch.zeros_like(left),
-            uniforms=_uniform_table(seeds, positions + 1, int(left.max())),
+            uniforms=uniform_table(seeds, positions + 1, int(left.max())),
             sampling=RowSampling.of([requests[i].sampling for i in live], device),
             rejected=[requests[i].excluded_tokens for i in live],
             cache=cache,
@@ -141,9 +141,3 @@ def _staying(finished: torch.Tensor) -> torch.Tensor:
     keep = torch.arange(len(staying), device=finished.device)
     keep[finished[: len(staying)]] = staying[staying >= len(staying)]
     return keep
-
-
-def _uniform_table(seeds: torch.Tensor, first: torch.Tensor, width: int) -> torch.Tensor:
-    """seeded_uniform of every row's next `width` positions, from `first` [B] on: [B, width]."""
-    positions = first[:, None] + torch.arange(width, device=first.device)
-    return seeded_uniform(seeds[:, None].expand_as(positions), positions)

@@ -20,7 +20,7 @@ from specrl.engines import (
     TrieLogprobs,
     TrieRequest,
 )
-from specrl.engines.sampling import seeded_uniform
+from specrl.engines.sampling import uniform_table
 from specrl.speculative.reuse.base import Reuse
 from specrl.speculative.reuse.budget import TrieBudget
 from specrl.speculative.reuse.walkers import DRIFT_BUCKETS, drift_bucket
@@ -75,10 +75,11 @@ class TrieReuse(Reuse):
         groups: dict[tuple, list[int]] = {}  # (prompt id, context) → its walkers (rows below)
         for row, i in enumerate(walkers):
             groups.setdefault((slots[i].prompt.prompt_id, slots[i].prompt.ids), []).append(row)
-        seeds = torch.tensor([slots[i].seed for i in walkers])[:, None]
-        first = torch.tensor([len(slots[i].prompt.ids) for i in walkers])[:, None]
-        positions = first + torch.arange(max(slots[i].budget for i in walkers))[None, :]
-        uniforms = seeded_uniform(seeds.expand_as(positions), positions).numpy()  # [S, R]
+        uniforms = uniform_table(
+            torch.tensor([slots[i].seed for i in walkers]),
+            torch.tensor([len(slots[i].prompt.ids) for i in walkers]),
+            max(slots[i].budget for i in walkers),
+        ).numpy()  # [S, R]
         trees = [self.tree.get(prompt_id) for prompt_id, _ in groups]
         selections = self.budget.select_all(
             trees,
