@@ -59,3 +59,29 @@ def test_decode_cache_grows_in_place_and_matches_dynamic_cache():
     for _ in range(spare):  # past the spare columns: into a new, larger buffer
         update(3, 1)
     assert ours.get_seq_length() == reference.get_seq_length() == 8 + spare
+
+
+def test_rows_copied_for_parting_sequences_are_written_in_place():
+    """A row copied for sequences that part from their context's others (`keep` naming a row
+    twice) lands in the buffers' spare rows: only the copies move, and the copies grow on."""
+    torch.manual_seed(0)
+    ours, reference = DecodeCache(), DynamicCache()
+
+    def update(batch, columns):
+        keys = torch.randn(batch, 2, columns, 8)
+        for cache in (ours, reference):
+            cache.update(keys, -keys, 0)
+        assert torch.equal(ours.layers[0].keys, reference.layers[0].keys)
+
+    update(4, 3)
+    buffer = ours.layers[0].buffers[0].data_ptr()
+    ours.keep_rows(torch.tensor([0, 2]))  # two contexts left
+    reference.batch_select_indices(torch.tensor([0, 2]))
+    update(2, 1)
+    keep = torch.tensor([0, 1, 1, 0])  # each parts in two: copies of rows 1 and 0
+    ours.keep_rows(keep)
+    reference.batch_select_indices(keep)
+    assert torch.equal(ours.layers[0].keys, reference.layers[0].keys)
+    assert ours.layers[0].buffers[0].data_ptr() == buffer  # within the buffers made for 4 rows
+    update(4, 1)
+    assert ours.layers[0].buffers[0].data_ptr() == buffer

@@ -1,11 +1,20 @@
-"""The rows a decode loop is decoding (decode.py), kept and compacted together: per row the
-request it decodes, the token it feeds next and that token's position, its budget, the uniforms
-of its coming positions, its sampling and what its first draw excludes; for the batch the KV
-cache and its attention mask. A row that finishes leaves all of them at once."""
+"""The sequences a decode loop is decoding (decode.py), kept and compacted together: per
+sequence the request it decodes, the token it feeds next and that token's position, its budget,
+the uniforms of its coming positions, its sampling and what its first draw excludes; for the
+batch the KV cache and its attention mask, one row per distinct context. A sequence that
+finishes leaves all of them at once.
+
+Sequences with the same context share a row (`share`) where the cache can copy rows (the eager
+cache): a prompt's n slots start from one context, and a peaked policy's slots go on drawing
+the same tokens for a while (on the built-in task 71% of a step's response tokens repeat a
+sibling's context). A shared row is fed and computed once; each of its sequences draws from its
+logits with its own uniforms, and where they draw different tokens, or accept different drafts,
+the row is copied and they part (`_regroup`). Logits of equal contexts are equal, so sharing
+changes how much is computed, never which tokens come out."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -17,16 +26,20 @@ from specrl.engines.sampling import RowSampling, uniform_table
 
 @dataclass
 class DecodeBatch:
-    rows: torch.Tensor  # [B] the request each row decodes
-    tokens: torch.Tensor  # [B] fed next (the last token of the row's sequence so far)
+    requests: torch.Tensor  # [B] the request each sequence decodes
+    tokens: torch.Tensor  # [B] fed next (the last token of the sequence so far)
     positions: torch.Tensor  # [B] the fed token's position
-    left: torch.Tensor  # [B] new tokens the row may still emit
+    left: torch.Tensor  # [B] new tokens the sequence may still emit
     done: torch.Tensor  # [B] new tokens emitted so far
     uniforms: torch.Tensor  # [B, most new tokens] the uniform of each coming position
     sampling: RowSampling
-    rejected: list[tuple[int, ...]]  # tokens the row's next draw excludes (first draw only)
-    cache: DecodeCache
-    attention: torch.Tensor  # [B, W] which cached columns (then fed ones) each row attends to
+    rejected: list[tuple[int, ...]]  # tokens the sequence's next draw excludes (first draw only)
+    cache: DecodeCache  # one row per distinct context
+    attention: torch.Tensor  # [R, W] which cached columns (then fed ones) each row attends to
+    share: list[int] | None = None  # [B] each sequence's row; None: sequence i is row i
+    shared: torch.Tensor | None = None  # `share` on the device
+    lead: list[int] | None = None  # [R] a sequence of each row
+    leads: torch.Tensor | None = None  # `lead` on the device
 
     @classmethod
     def start(
@@ -36,16 +49,18 @@ class DecodeBatch:
         contexts: list[list[int]],
         cache: DecodeCache,
         attention: torch.Tensor,
+        share: bool,
     ) -> DecodeBatch:
-        """The rows of requests `live` after their prefill: the KV of every context but its
-        last token in `cache`, that token fed first."""
+        """The sequences of requests `live` after their prefill: the KV of every context but
+        its last token in `cache` (a row each), that token fed first. `share`: equal contexts
+        share a row."""
         device = attention.device
         positions = torch.tensor([len(c) - 1 for c in contexts], device=device)
         left = torch.tensor([requests[i].max_new_tokens for i in live], device=device)
         # the uniform behind each new token, a hash of (seed, position)
         seeds = torch.tensor([requests[i].seed for i in live], device=device)
-        return cls(
-            rows=torch.tensor(live, device=device),
+        batch = cls(
+            requests=torch.tensor(live, device=device),
             tokens=torch.tensor([c[-1] for c in contexts], device=device),
             positions=positions,
             left=left,
@@ -56,24 +71,46 @@ class DecodeBatch:
             cache=cache,
             attention=cache.drop_padding(attention),
         )
+        if share:
+            batch.share = list(range(len(live)))
+            batch._regroup([tuple(c) for c in contexts])
+        return batch
 
     def __len__(self) -> int:
-        return len(self.rows)
+        return len(self.requests)
+
+    @property
+    def rows(self) -> int:
+        """Rows of the cache: distinct contexts."""
+        return len(self.attention)
+
+    def per_sequence(self, t: torch.Tensor) -> torch.Tensor:
+        """A tensor of the rows [R, ...] as one of the sequences [B, ...]."""
+        return t if self.shared is None else t.index_select(0, self.shared)
+
+    def row_positions(self) -> torch.Tensor:
+        """[R] the position of each row's fed token."""
+        return self.positions if self.leads is None else self.positions[self.leads]
 
     def feed(
         self, drafts: list[list[int]], pad: int
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """What the next forward feeds: every row's token followed by its drafts, padded to the
-        widest, and the attention mask extended over those columns: → fed ids [B, K+1], the
-        drafts per row [B], the column numbers [K+1]."""
+        """What the next forward feeds: every row's token followed by its drafts (`drafts` per
+        sequence: a row's sequences part where theirs differ), padded to the widest, and the
+        attention mask extended over those columns: → fed ids [R, K+1], the drafts per row [R],
+        the column numbers [K+1]."""
         device = self.tokens.device
+        tokens = self.tokens.tolist()
+        if self.share is not None:
+            rows = self.share
+            self._regroup([(r, t, *d) for r, t, d in zip(rows, tokens, drafts, strict=True)])
+            tokens, drafts = [tokens[i] for i in self.lead], [drafts[i] for i in self.lead]
         width = max(map(len, drafts))
         if not self.cache.holds(self.attention.shape[1], width + 1):
             self.attention = self.cache.compact(self.attention)
-        fed = self.tokens[:, None]
+        fed = torch.tensor(tokens, device=device)[:, None]
         if width:
             padding = [pad] * width
-            tokens = self.tokens.tolist()
             rows = [[t, *d, *padding[len(d) :]] for t, d in zip(tokens, drafts, strict=True)]
             fed = torch.tensor(rows, device=device)
         proposed = torch.tensor(list(map(len, drafts)), device=device)
@@ -83,16 +120,16 @@ class DecodeBatch:
         return fed, proposed, cols
 
     def column_uniforms(self, cols: torch.Tensor) -> torch.Tensor:
-        """The uniform of every fed column's next position [B, K+1]; columns past a row's own
-        drafts are never emitted: clamped, they read any uniform."""
+        """The uniform of every fed column's next position [B, K+1]; columns past a sequence's
+        own drafts are never emitted: clamped, they read any uniform."""
         at = (self.done[:, None] + cols).clamp(max=self.uniforms.shape[1] - 1)
         return self.uniforms.gather(1, at)
 
     def emit(
         self, sampled: torch.Tensor, accepted: torch.Tensor, cols: torch.Tensor, eos: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Each row emits its accepted drafts and the token after them, up to its budget and its
-        first end-of-sequence token: → tokens emitted [B], whether the row stopped [B]."""
+        """Each sequence emits its accepted drafts and the token after them, up to its budget and
+        its first end-of-sequence token: → tokens emitted [B], whether it stopped [B]."""
         emitted = (accepted + 1).minimum(self.left)  # drafts never exceed left - 1; a guard
         is_eos = torch.isin(sampled, eos) & (cols[None] < emitted[:, None])
         stopped = is_eos.any(1)
@@ -107,24 +144,82 @@ class DecodeBatch:
         cols: torch.Tensor,
         finished: torch.Tensor,
     ) -> None:
-        """To the next forward: the cache keeps each row's fed token and accepted drafts, the
-        row feeds the token sampled after them, finished rows leave."""
+        """To the next forward: the cache keeps each sequence's fed token and accepted drafts
+        (sequences of a row that accepted different drafts part), the sequence feeds the token
+        sampled after them, finished sequences leave (and rows no sequence reads)."""
         width = len(cols) - 1
-        if width:  # the rejected drafts' columns are masked out
-            self.attention[:, -(width + 1) :] = (cols[None] <= accepted[:, None]).long()
         self.tokens = sampled.gather(1, accepted[:, None]).squeeze(1)
         self.positions = self.positions + accepted + 1
-        if bool(finished.any()):
-            keep = _staying(finished)
-            self.cache.keep_rows(keep)
-            self.rows, self.tokens, self.positions, self.left, self.done = (
-                t[keep] for t in (self.rows, self.tokens, self.positions, self.left, self.done)
-            )
-            self.uniforms, self.sampling = self.uniforms[keep], self.sampling.select(keep)
-            self.attention = self.cache.drop_padding(self.attention[keep])
-        self.rejected = [()] * len(self.rows)
+        if self.share is None:
+            if width:  # the rejected drafts' columns are masked out
+                self.attention[:, -(width + 1) :] = (cols[None] <= accepted[:, None]).long()
+            if bool(finished.any()):
+                keep = _staying(finished)
+                self.cache.keep_rows(keep)
+                self._keep_sequences(keep)
+                self.attention = self.cache.drop_padding(self.attention[keep])
+        else:
+            left = bool(finished.any())
+            if left:
+                keep = (~finished).nonzero().squeeze(1)
+                self._keep_sequences(keep)
+                self.share = [self.share[i] for i in keep.tolist()]
+                accepted = accepted[keep]
+            if width:
+                pairs = zip(self.share, accepted.tolist(), strict=True)
+                self._regroup(list(pairs))
+                mask = cols[None] <= accepted[self.leads][:, None]
+                self.attention[:, -(width + 1) :] = mask.long()
+            elif left:
+                self._regroup(self.share)
+            if left:
+                self.attention = self.cache.drop_padding(self.attention)
+        self.rejected = [()] * len(self.requests)
         if width and _sparse(self.attention):
             self.attention = self.cache.compact(self.attention)
+
+    def _keep_sequences(self, keep: torch.Tensor) -> None:
+        """The sequences `keep`, in that order."""
+        self.requests, self.tokens, self.positions, self.left, self.done = (
+            t[keep] for t in (self.requests, self.tokens, self.positions, self.left, self.done)
+        )
+        self.uniforms, self.sampling = self.uniforms[keep], self.sampling.select(keep)
+
+    def _regroup(self, keys: list[Hashable]) -> None:
+        """Sequences with equal keys (one per sequence, [B]) share a row: the first of them's
+        row now (equal contexts: a key that tells rows apart keeps them apart). A row of several
+        groups is copied for all but one; a row no sequence reads leaves. The rows that stay keep
+        their places where they can (`DecodeCache.keep_rows` then moves only the others)."""
+        group: dict[Hashable, int] = {}
+        parent: list[int] = []  # the row each group reads now
+        share = []
+        for key, row in zip(keys, self.share, strict=True):
+            g = group.setdefault(key, len(parent))
+            if g == len(parent):
+                parent.append(row)
+            share.append(g)
+        count = len(parent)
+        place, claimed = [-1] * count, set()
+        for g, row in enumerate(parent):  # a row's first group keeps the row's place
+            if row < count and row not in claimed:
+                place[g] = row
+                claimed.add(row)
+        free = iter(sorted(set(range(count)) - claimed))
+        place = [p if p >= 0 else next(free) for p in place]
+        keep, lead = [0] * count, [0] * count
+        for g, p in enumerate(place):
+            keep[p] = parent[g]
+        for b in reversed(range(len(share))):
+            lead[place[share[b]]] = b
+        device = self.attention.device
+        self.share = [place[g] for g in share]
+        self.shared = torch.tensor(self.share, device=device)
+        self.lead, self.leads = lead, torch.tensor(lead, device=device)
+        if keep != list(range(self.rows)):
+            moved = [i for i, row in enumerate(keep) if row != i]
+            index = torch.tensor(keep, device=device)
+            self.cache.keep_rows(index, torch.tensor(moved, dtype=torch.long, device=device))
+            self.attention = self.attention[index]
 
 
 def _sparse(attention: torch.Tensor) -> bool:

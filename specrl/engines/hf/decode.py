@@ -72,23 +72,31 @@ class Decoder:
             most = max(requests[i].max_new_tokens for i in live)
             width = 1 if drafter is None else drafter.max_tokens + 1
             cache, forward = self.static.adopt(cache, attention, most, width), self.static
-        batch = DecodeBatch.start(requests, live, contexts, cache, attention)
+        # A context's sequences share one row of the eager cache until they part: on the CPU a
+        # decode forward costs per row; on a GPU rows are nearly free and each copy is launches.
+        share = forward is self.forward and self.device.type == "cpu"
+        batch = DecodeBatch.start(requests, live, contexts, cache, attention, share)
         eos = torch.tensor(sorted(self.eos_token_ids), device=self.device)
         while True:
             started = time.perf_counter()
             drafts = self._drafts(batch, results, indices)
-            fed, proposed, cols = batch.feed(drafts, self.pad_token_id)
-            positions = batch.positions[:, None] + cols
+            fed, proposed, cols = batch.feed(drafts, self.pad_token_id)  # per row
+            positions = batch.row_positions()[:, None] + cols
             logits = forward("decode", fed, batch.attention, positions, batch.cache)
             self._count_decode(batch.attention, proposed, fed.shape[1])
+            fed_rows, fed_tokens = len(fed), fed.numel()
+            fed, proposed = batch.per_sequence(fed), batch.per_sequence(proposed)
             sampled, logprobs, intervals = self._sample(
-                logits, batch.sampling, batch.column_uniforms(cols), batch.rejected
+                batch.per_sequence(logits),
+                batch.sampling,
+                batch.column_uniforms(cols),
+                batch.rejected,
             )
             accepted = _accepted(sampled, fed, proposed)  # [B] draft tokens kept
             emitted, stopped = batch.emit(sampled, accepted, cols, eos)
             n_proposed, n_accepted = proposed.tolist(), accepted.tolist()
-            for row, n, k, a, new, lps, drawn in zip(
-                batch.rows.tolist(),
+            for request, n, k, a, new, lps, drawn in zip(
+                batch.requests.tolist(),
                 emitted.tolist(),
                 n_proposed,
                 n_accepted,
@@ -97,7 +105,7 @@ class Decoder:
                 intervals.tolist(),
                 strict=True,
             ):
-                result = results[row]
+                result = results[request]
                 result.token_ids.extend(new[:n])
                 result.logprobs.extend(lps[:n])
                 result.intervals.extend(map(tuple, drawn[:n]))
@@ -105,18 +113,18 @@ class Decoder:
                 result.draft_tokens += k
                 result.accepted_tokens += a
             finished = stopped | (batch.left <= 0)
-            for row, was_stopped in zip(
-                batch.rows[finished].tolist(), stopped[finished].tolist(), strict=True
+            for request, was_stopped in zip(
+                batch.requests[finished].tolist(), stopped[finished].tolist(), strict=True
             ):
-                results[row].finish_reason = _reason(was_stopped)
+                results[request].finish_reason = _reason(was_stopped)
                 if drafter is not None:
-                    drafter.finished(indices[row], results[row].token_ids)
+                    drafter.finished(indices[request], results[request].token_ids)
             done = bool(finished.all())
             if not done:
                 batch.advance(sampled, accepted, cols, finished)
             if drafter is not None:  # the whole iteration: drafting's host work included
                 seconds = time.perf_counter() - started
-                drafter.observe(n_proposed, n_accepted, len(proposed), fed.numel(), seconds)
+                drafter.observe(n_proposed, n_accepted, fed_rows, fed_tokens, seconds)
             if done:
                 return results
 
@@ -188,21 +196,21 @@ class Decoder:
     def _drafts(
         self, batch: DecodeBatch, results: list[GenResult], indices: list[int]
     ) -> list[list[int]]:
-        """Draft tokens per batch row, cut after an end-of-sequence token and to the width the
-        controller chooses; none for a row whose first token is drawn from a residual."""
+        """Draft tokens per sequence, cut after an end-of-sequence token and to the width the
+        controller chooses; none for a sequence whose first token is drawn from a residual."""
         drafter = self.drafter
         if drafter is None:
             return [[] for _ in range(len(batch))]
-        if not drafter.worthwhile(len(batch)):
+        if not drafter.worthwhile(batch.rows):
             drafter.choose([])
             return [[] for _ in range(len(batch))]
         drafts, cap = [], drafter.max_tokens  # no forward verifies more than K
-        rows, left = batch.rows.tolist(), batch.left.tolist()
-        for row, room, reject in zip(rows, left, batch.rejected, strict=True):
+        requests, left = batch.requests.tolist(), batch.left.tolist()
+        for request, room, reject in zip(requests, left, batch.rejected, strict=True):
             draft = []
             if not reject and room > 1:
                 most = min(room - 1, cap)
-                draft = drafter.propose(indices[row], results[row].token_ids, most)
+                draft = drafter.propose(indices[request], results[request].token_ids, most)
                 stop = next((j for j, t in enumerate(draft) if t in self.eos_token_ids), None)
                 draft = draft[:most] if stop is None else draft[: stop + 1]
             drafts.append(draft)

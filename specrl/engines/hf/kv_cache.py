@@ -20,9 +20,12 @@ class DecodeCache(DynamicCache):
         super().__init__()
         self.layer_class_to_replicate = _GrowingLayer
 
-    def keep_rows(self, keep: torch.Tensor) -> None:
-        """Keep batch rows `keep` [B'] (from `_staying`: row i, or a row past B' in its place)."""
-        moved = (keep != torch.arange(len(keep), device=keep.device)).nonzero().squeeze(1)
+    def keep_rows(self, keep: torch.Tensor, moved: torch.Tensor | None = None) -> None:
+        """Row i becomes row `keep[i]` [B']: row i itself, a row past B' moved into its place
+        (`_staying`), or a copy of another row (a context whose sequences part ways). `moved`:
+        the rows that are not themselves, where the caller knows them."""
+        if moved is None:
+            moved = (keep != torch.arange(len(keep), device=keep.device)).nonzero().squeeze(1)
         for layer in self.layers:
             layer.keep_rows(keep, moved)
 
@@ -59,19 +62,24 @@ class _GrowingLayer(DynamicLayer):
     step writes its columns in place, where DynamicLayer concatenates and so copies the whole
     cache every step. Rows leave by moving the last rows into their place (`keep_rows`), leading
     columns by moving the view's start (`drop_front`); keys and values narrowed by `keep_columns`
-    move into a new buffer at the next update."""
+    move into a new buffer at the next update. The buffers keep every row they were made with
+    (`bases`), so a row copied for a sequence that parts from its context's others is written
+    in place too."""
 
     spare_columns = 32
-    buffers: tuple[torch.Tensor, torch.Tensor] | None = None
+    bases: tuple[torch.Tensor, torch.Tensor] | None = None  # every row the buffers were made with
+    buffers: tuple[torch.Tensor, torch.Tensor] | None = None  # the bases' rows in use
     views: tuple[torch.Tensor, torch.Tensor] | None = None  # what keys and values were set to
     start = 0  # buffer column of the first key
+    capacity = 0  # rows of the bases, or of the next ones
 
     @classmethod
     def of(cls, keys: torch.Tensor, values: torch.Tensor, length: int) -> _GrowingLayer:
         """A layer over buffers [B, H, T, D] whose first `length` columns hold the KV."""
         layer = cls()
         layer.lazy_initialization(keys, values)
-        layer.buffers = (keys, values)
+        layer.bases = layer.buffers = (keys, values)
+        layer.capacity = len(keys)
         layer._view(length)
         return layer
 
@@ -82,10 +90,13 @@ class _GrowingLayer(DynamicLayer):
             self.lazy_initialization(key_states, value_states)
         length = self.get_seq_length()
         if not self._viewed(self.start + length + key_states.shape[-2]):
-            self.buffers = (
-                _grown(self.keys, key_states, self.spare_columns),
-                _grown(self.values, value_states, self.spare_columns),
+            rows = key_states.shape[0]
+            self.capacity = max(rows, self.capacity)
+            self.bases = (
+                _grown(self.keys, key_states, self.spare_columns, self.capacity),
+                _grown(self.values, value_states, self.spare_columns, self.capacity),
             )
+            self.buffers = tuple(b[:rows] for b in self.bases)
             self.start = 0
         begin = self.start + length
         end = begin + key_states.shape[-2]
@@ -96,17 +107,19 @@ class _GrowingLayer(DynamicLayer):
         return self.keys, self.values
 
     def keep_rows(self, keep: torch.Tensor, moved: torch.Tensor) -> None:
-        """Keep batch rows `keep` [B'], where keep[i] is i or a row past B' (the rows `moved`):
-        those rows' KV moves into the buffers' first B' rows, which then are the buffers."""
+        """Row i becomes row keep[i] [B'], which differs from i only at the rows `moved`: their KV
+        is copied into the bases' first B' rows, which then are the buffers."""
         end = self.start + self.get_seq_length()
-        if not self._viewed(end):
+        if not self._viewed(end) or len(keep) > self.capacity:
             self.keys, self.values = self.keys[keep], self.values[keep]
+            self.capacity = max(len(keep), self.capacity)
+            self.bases = self.buffers = self.views = None  # new buffers at the next update
             return
         source = keep[moved]
-        for buffer in self.buffers:
-            used = buffer[:, :, self.start : end]
+        for base in self.bases:
+            used = base[:, :, self.start : end]
             used.index_copy_(0, moved, used.index_select(0, source))
-        self.buffers = tuple(b[: len(keep)] for b in self.buffers)
+        self.buffers = tuple(b[: len(keep)] for b in self.bases)
         self._view(end)
 
     def drop_front(self, columns: int) -> None:
@@ -122,7 +135,7 @@ class _GrowingLayer(DynamicLayer):
         """Keep, of row b, KV columns `columns[b]` in order (columns [B, W'])."""
         index = columns[:, None, :, None].expand(-1, self.keys.shape[1], -1, self.keys.shape[3])
         self.keys, self.values = self.keys.gather(2, index), self.values.gather(2, index)
-        self.buffers = self.views = None  # the old buffers are not needed any more
+        self.bases = self.buffers = self.views = None  # the old buffers are not needed any more
 
     def _view(self, end: int) -> None:
         """Keys and values: the buffers' columns from `start` to `end`."""
@@ -146,14 +159,14 @@ def attended_columns(attention: torch.Tensor) -> torch.Tensor:
     return attention.sort(dim=1, stable=True).indices[:, attention.shape[1] - width :]
 
 
-def _grown(cached: torch.Tensor, new: torch.Tensor, spare: int) -> torch.Tensor:
-    """A buffer [B, H, T + T' + spare, D] holding `cached` [B, H, T, D] in its first T columns,
-    with room for `new` [B, H, T', D] and `spare` columns after it."""
+def _grown(cached: torch.Tensor, new: torch.Tensor, spare: int, rows: int) -> torch.Tensor:
+    """A buffer [rows, H, T + T' + spare, D] holding `cached` [B, H, T, D] in its first B rows
+    and T columns, with room for `new` [B, H, T', D] and `spare` columns after it."""
     batch, heads, length, dim = new.shape
     start = cached.shape[2] if cached.dim() == 4 else 0
-    buffer = new.new_empty(batch, heads, start + length + spare, dim)
+    buffer = new.new_empty(rows, heads, start + length + spare, dim)
     if start:
-        buffer[:, :, :start] = cached
+        buffer[:batch, :, :start] = cached
     return buffer
 
 

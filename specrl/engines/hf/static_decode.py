@@ -137,8 +137,9 @@ class StaticKV(DecodeCache):
             _ArenaLayer(arena, arena.kv[j], arena.kv[j + 1]) for j in range(0, len(arena.kv), 2)
         ]
 
-    def keep_rows(self, keep: torch.Tensor) -> None:
-        moved = (keep != torch.arange(len(keep), device=keep.device)).nonzero().squeeze(1)
+    def keep_rows(self, keep: torch.Tensor, moved: torch.Tensor | None = None) -> None:
+        if moved is None:
+            moved = (keep != torch.arange(len(keep), device=keep.device)).nonzero().squeeze(1)
         source = keep[moved]
         for buffer in self.arena.kv:
             buffer.index_copy_(0, moved, buffer.index_select(0, source))
