@@ -49,11 +49,11 @@ class DecodeBatch:
         contexts: list[list[int]],
         cache: DecodeCache,
         attention: torch.Tensor,
-        share: bool,
+        share_rows: bool,
     ) -> DecodeBatch:
         """The sequences of requests `live` after their prefill: the KV of every context but
-        its last token in `cache` (a row each), that token fed first. `share`: equal contexts
-        share a row."""
+        its last token in `cache` (a row each), that token fed first. `share_rows`: equal
+        contexts share a row."""
         device = attention.device
         positions = torch.tensor([len(c) - 1 for c in contexts], device=device)
         left = torch.tensor([requests[i].max_new_tokens for i in live], device=device)
@@ -71,7 +71,7 @@ class DecodeBatch:
             cache=cache,
             attention=cache.drop_padding(attention),
         )
-        if share:
+        if share_rows:
             batch.share = list(range(len(live)))
             batch._regroup([tuple(c) for c in contexts])
         return batch
@@ -102,8 +102,8 @@ class DecodeBatch:
         device = self.tokens.device
         tokens = self.tokens.tolist()
         if self.share is not None:
-            rows = self.share
-            self._regroup([(r, t, *d) for r, t, d in zip(rows, tokens, drafts, strict=True)])
+            keys = [(r, t, *d) for r, t, d in zip(self.share, tokens, drafts, strict=True)]
+            self._regroup(keys)
             tokens, drafts = [tokens[i] for i in self.lead], [drafts[i] for i in self.lead]
         width = max(map(len, drafts))
         if not self.cache.holds(self.attention.shape[1], width + 1):

@@ -3,8 +3,10 @@ several tokens per forward with a drafter's drafts (model-free speculative decod
 
 Batches are left-padded; every sequence keeps its own position ids, so padding never changes a
 result. A sequence that finishes leaves the batch and its rows leave the KV cache: it costs
-nothing afterwards. A request whose context starts a sequence verified into the caller's
-`prefixes` takes that KV, and the distribution of its first new token, from the verification pass.
+nothing afterwards. On the CPU the sequences of one context (a prompt's slots) share one row
+until they draw different tokens (`DecodeBatch`). A request whose context starts a sequence
+verified into the caller's `prefixes` takes that KV, and the distribution of its first new token,
+from the verification pass.
 Every token is sampled with a counter-based uniform of (request seed, position), so drafts,
 batching and cached prefixes change how much is computed, never which tokens come out.
 """
@@ -74,8 +76,8 @@ class Decoder:
             cache, forward = self.static.adopt(cache, attention, most, width), self.static
         # A context's sequences share one row of the eager cache until they part: on the CPU a
         # decode forward costs per row; on a GPU rows are nearly free and each copy is launches.
-        share = forward is self.forward and self.device.type == "cpu"
-        batch = DecodeBatch.start(requests, live, contexts, cache, attention, share)
+        share_rows = forward is self.forward and self.device.type == "cpu"
+        batch = DecodeBatch.start(requests, live, contexts, cache, attention, share_rows)
         eos = torch.tensor(sorted(self.eos_token_ids), device=self.device)
         while True:
             started = time.perf_counter()
