@@ -184,12 +184,17 @@ class DecodeBatch:
             t[keep] for t in (self.requests, self.tokens, self.positions, self.left, self.done)
         )
         self.uniforms, self.sampling = self.uniforms[keep], self.sampling.select(keep)
+        self.lead = None  # the sequences are numbered anew: `_regroup` finds each row's lead
 
     def _regroup(self, keys: list[Hashable]) -> None:
         """Sequences with equal keys (one per sequence, [B]) share a row: the first of them's
         row now (equal contexts: a key that tells rows apart keeps them apart). A row of several
         groups is copied for all but one; a row no sequence reads leaves. The rows that stay keep
-        their places where they can (`DecodeCache.keep_rows` then moves only the others)."""
+        their places where they can (`DecodeCache.keep_rows` then moves only the others). Keys
+        that lead with the sequence's row and part no row change nothing, unless sequences left
+        since the last call (`lead` is None then): most forwards return at once."""
+        if self.lead is not None and len(set(keys)) == self.rows:
+            return
         group: dict[Hashable, int] = {}
         parent: list[int] = []  # the row each group reads now
         share = []
