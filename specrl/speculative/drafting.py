@@ -42,15 +42,11 @@ class DraftWidth:
     one. The four are fitted (exponentially weighted least squares) to the engine's own decode
     iterations (the whole loop around a forward, drafting included), every `refit_every`
     forwards (a fit costs more host time than a small model's forward; the costs drift slowly).
-    A sequence whose source proposed L tokens produces s(K) = 1 + α + … + α^min(L, K) tokens in
+    A sequence whose source proposed L tokens produces 1 + α + … + α^min(L, K) tokens in
     expectation, α being the measured per-token accept rate over the last `accept_rate_memory`
     draft tokens decided (older ones fade per token decided, not per forward: a stretch without
-    drafts leaves α where it was). A stage's decode loop runs until its slowest sequence ends, so
-    K is chosen for the seconds it saves per second spent, c0·min s(K) + cs·Σ s(K) over
-    c0 + cs·B + cd·E + cf·[E > 0]: a sequence's own cost it saves at its own speed, the forward's
-    c0 only as fast as the least-drafted sequence goes (a sequence proposed nothing, there may be
-    the one the loop waits for). With a large batch and drafts that cost as much as sequences the
-    best K is 0; in the long tail of a batch, where c0 dominates, it is large. cd and cf are
+    drafts leaves α where it was). With a large batch and drafts that cost as much as sequences
+    the best K is 0; in the long tail of a batch, where c0 dominates, it is large. cd and cf are
     only measured by forwards that verify drafts (cf once those differ enough in width to tell
     it from cd; 0 until then): while none has been seen lately (their weight decays with the
     cost), the next forward with proposals verifies one draft token per sequence to measure
@@ -147,11 +143,10 @@ class DraftWidth:
         alpha = min(self.accept_rate, 0.999)
         caps = np.minimum(np.asarray(lengths), longest)[None, :]
         widths = np.arange(longest + 1)[:, None]
-        speed = (1 - alpha ** (np.minimum(caps, widths) + 1)) / (1 - alpha)  # [K+1, B] tokens
+        expected = (1 - alpha ** (np.minimum(caps, widths) + 1)) / (1 - alpha)  # [K+1, B]
         drafts = np.minimum(caps, widths).sum(1) if self.ragged else widths[:, 0] * len(lengths)
         seconds = c0 + cs * len(lengths) + cd * drafts + cf * (drafts > 0)
-        saved = c0 * speed.min(1) + cs * speed.sum(1)
-        return int(np.argmax(saved / seconds))
+        return int(np.argmax(expected.sum(1) / seconds))
 
     def observe_forward(self, sequences: int, fed_tokens: int, seconds: float) -> None:
         """A decode forward over `sequences` sequences computed `fed_tokens` positions."""

@@ -216,18 +216,6 @@ def test_forwards_without_drafts_leave_the_accept_rate_where_it_was():
     assert width.accept_rate == before < 0.1
 
 
-def test_draft_width_saves_the_forward_only_as_fast_as_the_slowest_sequence():
-    """The decode loop runs until its slowest sequence ends: drafts for three of four sequences
-    cut what the fourth costs no forward. On a model whose draft positions cost what sequences
-    do (transformers on a CPU), a tail with one sequence proposed nothing verifies no drafts;
-    when every sequence has drafts it verifies as many as before."""
-    width = DraftWidth(8)
-    measured(width, 4e-5, 4e-5)
-    width.observe_drafts([8] * 100, [2] * 100)  # α ≈ 2/3
-    assert width.choose([8, 8, 8, 8]) >= 3
-    assert width.choose([8, 8, 8, 0]) == 0
-
-
 def test_shared_rows_are_priced_as_one_sequence():
     """The width's costs are fitted per row of a forward: eight slots of one prompt drawing the
     same tokens are one row, and `choose` is told one length for it."""
