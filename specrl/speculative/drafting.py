@@ -114,8 +114,7 @@ class DraftWidth:
         )  # fmt: skip
 
     def choose(self, lengths: Sequence[int]) -> int:
-        """K for a forward whose sequences were proposed `lengths` draft tokens (one length per
-        row where an engine computes sequences with equal contexts once: B as fitted)."""
+        """K for a forward whose sequences were proposed `lengths` draft tokens."""
         k = self._best(lengths)
         self.choices[k] += 1
         return k

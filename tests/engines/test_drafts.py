@@ -214,22 +214,3 @@ def test_forwards_without_drafts_leave_the_accept_rate_where_it_was():
         width.observe_drafts([0] * 8, [0] * 8)
         width.observe_forward(8, 8, 1e-3 + 8 * 2e-5)
     assert width.accept_rate == before < 0.1
-
-
-def test_shared_rows_are_priced_as_one_sequence():
-    """The width's costs are fitted per row of a forward: eight slots of one prompt drawing the
-    same tokens are one row, and `choose` is told one length for it."""
-    engine = HFEngine(make_tiny_model(seed=0), [EOS], PAD)
-    requests = [GenRequest(PROMPTS[2], 6, GREEDY, seed=i) for i in range(8)]
-    plain = engine.generate(requests)
-    told = []
-
-    class Recording(Drafting):
-        def choose(self, lengths):
-            told.append(list(lengths))
-            return super().choose(lengths)
-
-    source = Recording(ScriptedDrafts([plain[0].token_ids] * 8, 12), DraftWidth(4, adaptive=False))
-    drafted = engine.generate_with_drafts(requests, source)
-    assert [r.token_ids for r in drafted] == [r.token_ids for r in plain]
-    assert told[0] == [4]  # one row, proposed the reference's next 4 tokens

@@ -102,7 +102,8 @@ class DecodeBatch:
         device = self.tokens.device
         tokens = self.tokens.tolist()
         if self.share is not None:
-            self._regroup(_row_keys(self.share, tokens, drafts))
+            keys = [(r, t, *d) for r, t, d in zip(self.share, tokens, drafts, strict=True)]
+            self._regroup(keys)
             tokens, drafts = [tokens[i] for i in self.lead], [drafts[i] for i in self.lead]
         width = max(map(len, drafts))
         if not self.cache.holds(self.attention.shape[1], width + 1):
@@ -117,14 +118,6 @@ class DecodeBatch:
         fed_columns = (cols[None] <= proposed[:, None]).long()
         self.attention = torch.cat([self.attention, fed_columns], dim=1)
         return fed, proposed, cols
-
-    def row_drafts(self, drafts: list[list[int]]) -> list[list[int]]:
-        """The drafts of each row the next forward would feed with these drafts per sequence:
-        a row's sequences stay together where their tokens and drafts are equal."""
-        if self.share is None:
-            return drafts
-        keys = _row_keys(self.share, self.tokens.tolist(), drafts)
-        return list({key: draft for key, draft in zip(keys, drafts, strict=True)}.values())
 
     def column_uniforms(self, cols: torch.Tensor) -> torch.Tensor:
         """The uniform of every fed column's next position [B, K+1]; columns past a sequence's
@@ -232,11 +225,6 @@ class DecodeBatch:
             index = torch.tensor(keep, device=device)
             self.cache.keep_rows(index, torch.tensor(moved, dtype=torch.long, device=device))
             self.attention = self.attention[index]
-
-
-def _row_keys(share: list[int], tokens: list[int], drafts: list[list[int]]) -> list[Hashable]:
-    """Per sequence what its row of the next forward holds: its row now, its token, its drafts."""
-    return [(r, t, *d) for r, t, d in zip(share, tokens, drafts, strict=True)]
 
 
 def _sparse(attention: torch.Tensor) -> bool:

@@ -216,7 +216,7 @@ class Decoder:
                 stop = next((j for j, t in enumerate(draft) if t in self.eos_token_ids), None)
                 draft = draft[:most] if stop is None else draft[: stop + 1]
             drafts.append(draft)
-        k = drafter.choose([len(d) for d in batch.row_drafts(drafts)])  # priced per row, as fitted
+        k = drafter.choose([len(d) for d in drafts])
         return [d[:k] for d in drafts]
 
     def _sample(
