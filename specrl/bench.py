@@ -18,6 +18,14 @@ pays what the first training in a process pays once (on a GPU the CUDA context, 
 pools and the kernels' first launches made the first arm's first epoch 3-4x slower than the
 same work in later arms).
 
+`--paired` (interleaved): every speculative arm rolls out with the vanilla arm's weights at every
+step. Two runs of a real model in float32 part after a few steps (a near-tie sampled one way by a
+decode forward and the other by a verification pass, docs/exactness.md), and from there each arm
+trains its own policy: per-window ratios then compare two trainings as much as two ways of rolling
+out. Paired, the arms' policies are one, so a window's ratio is speculation's alone, and each
+step says what share of a speculative arm's responses are vanilla's to the token
+(`bench/identical_responses`).
+
 Writes DIR/bench.json and DIR/bench.png. Speeds are totals over the whole run, measured with
 wall clocks around the rollout stage (verification included) and around whole steps.
 """
@@ -45,6 +53,7 @@ from specrl.cost_model import ModelShape
 from specrl.engines.build import engine_kind
 from specrl.engines.hf import HFEngine
 from specrl.errors import UserError
+from specrl.lora import load_trained_weights
 from specrl.models import eos_token_ids, load_policy
 from specrl.plots import plot_metrics
 from specrl.projection import (
@@ -58,6 +67,7 @@ from specrl.projection import (
 from specrl.run_dir import heldout_metric
 from specrl.threads import run_threads
 from specrl.trainer import Trainer
+from specrl.types import Rollout
 
 SPECRL_TREES = {"tree.enabled": True, "tree.method": "specrl"}
 SUFFIX = {"tree.enabled": True, "tree.method": "suffix", "verify_mode": "full"}
@@ -121,6 +131,7 @@ def run_bench(
     warmup_steps: int = WARMUP_STEPS,
     window: int = WINDOW_STEPS,
     interleave: bool = False,
+    paired: bool = False,
 ) -> dict[str, Any]:
     """Every arm once per seed (default: the config's `trainer.seed`); with several seeds each
     seed's runs go to DIR/seed<N>/<arm> and bench.json pools them (see `summarize`). The arms
@@ -128,9 +139,18 @@ def run_bench(
     as arms each arm runs once in every place, and a machine that slows down (or speeds up)
     over a long bench favours none of them. `interleave`: each seed's arms train at once, one
     step each in turn (`train_in_turns`), so a window's figures of two arms are measured over
-    the same minutes."""
+    the same minutes. `paired` (interleaved only): the speculative arms roll out with the
+    vanilla arm's weights at every step (`train_in_turns`)."""
     seeds = list(seeds or [cfg.trainer.seed])
     arms = arms or DEFAULT_ARMS
+    if paired and (not interleave or "vanilla" not in arms):
+        raise UserError("--paired: the arms share the vanilla arm's weights step by step; "
+                        "add --interleave, and vanilla to the arms")  # fmt: skip
+    if paired and cfg.learner_ranks > 1:
+        raise UserError(
+            f"--paired: the update runs on {cfg.learner_ranks} learner ranks, whose weights the "
+            "bench cannot replace between steps; pair arms with one learner rank"
+        )
     if interleave and engine_kind(cfg.rollout.name).one_per_process:
         raise UserError(
             f"--interleave: the arms would take turns in one {cfg.rollout.name} engine per "
@@ -161,7 +181,7 @@ def run_bench(
         if interleave:
             log(f"bench: training the arms {', '.join(order[seed])} (seed {seed}) step by step, "
                 f"taking turns, into {seed_dir}")  # fmt: skip
-            histories, model_dir = train_in_turns(cfg, order[seed], seed, seed_dir, log)
+            histories, model_dir = train_in_turns(cfg, order[seed], seed, seed_dir, log, paired)
             load[f"seed {seed}"] = _load_average()
         else:
             histories = {}
@@ -179,6 +199,7 @@ def run_bench(
     result = summarize(runs, cfg, seeds, window)
     result["arm_order"] = {str(seed): arms_run for seed, arms_run in order.items()}
     result["interleaved"] = interleave
+    result["paired"] = paired
     result["warmup"] = warmup
     result["load_average"] = load
     result["warnings"] = alike + timing_warnings(result, load, os.cpu_count() or 1)
@@ -203,15 +224,19 @@ def run_bench(
 
 
 def train_in_turns(
-    cfg: Config, arms: Sequence[str], seed: int, seed_dir: Path, log
+    cfg: Config, arms: Sequence[str], seed: int, seed_dir: Path, log, paired: bool = False
 ) -> tuple[dict[str, list[dict[str, float]]], str]:
     """The arms' runs of one seed trained at once in one process, one step of each in turn (the
     first arm going first in odd steps, the last in even ones; a step's rollouts of every arm
     back to back, then their updates, so that they are timed as close together as they can
     be): their histories, and the policy they trained. Each run keeps its own global random
     generators (`RandomState`), so it computes what it would alone; the arms' own console lines
-    give way to one line per step."""
+    give way to one line per step. `paired`: the vanilla arm updates first, and every other arm,
+    after its own update, takes vanilla's weights (`adopt_weights`) before it evaluates, saves or
+    rolls out again, so all roll out (and evaluate) one policy; each logs the share of its
+    responses that equal vanilla's to the token."""
     trainers, states = {}, {}
+    followers = [arm for arm in arms if arm != "vanilla"] if paired else []
     for arm in arms:
         arm_cfg = arm_config(cfg, arm, seed, seed_dir)
         arm_cfg.trainer.logger = [x for x in arm_cfg.trainer.logger if x != "console"]
@@ -227,9 +252,17 @@ def train_in_turns(
             for arm in turn:  # the arms' rollouts back to back, then their updates
                 with states[arm].active():
                     collected[arm] = trainers[arm].begin_step()
-            for arm in turn:
+            for arm in followers:
+                collected[arm].metrics["bench/identical_responses"] = identical_share(
+                    collected[arm].rollouts, collected["vanilla"].rollouts
+                )
+            for arm in sorted(turn, key=lambda a: a in followers):  # paired: vanilla's first
+                adopt = functools.partial(adopt_weights, trainers[arm], trainers["vanilla"])
                 with states[arm].active():
-                    seconds[arm] = trainers[arm].finish_step(collected[arm])["timing_s/rollout"]
+                    metrics = trainers[arm].finish_step(
+                        collected[arm], adopt if arm in followers else None
+                    )
+                seconds[arm] = metrics["timing_s/rollout"]
             step = trainers[arms[0]].run.global_step
             log(
                 f"bench: step {step}: rollouts "
@@ -238,6 +271,22 @@ def train_in_turns(
             turn.reverse()
     histories = {arm: t.run.tracker.history for arm, t in trainers.items()}
     return histories, trainers[arms[0]].run.model_dir
+
+
+def identical_share(rollouts: Sequence[Rollout], reference: Sequence[Rollout]) -> float:
+    """The share of `rollouts` whose tokens equal those of the same prompt's same slot in
+    `reference` (a step's responses of two arms)."""
+    tokens = {(r.prompt.prompt_id, r.slot): r.token_ids for r in reference}
+    same = sum(tokens.get((r.prompt.prompt_id, r.slot)) == r.token_ids for r in rollouts)
+    return same / max(len(rollouts), 1)
+
+
+def adopt_weights(follower: Trainer, leader: Trainer) -> None:
+    """The follower's policy takes the leader's trained weights (all of them, or with LoRA its
+    adapters), and its rollout engine with them."""
+    with torch.no_grad():
+        load_trained_weights(follower.run.actor.policy, leader.run.actor.weights())
+    follower.run.sync_weights()
 
 
 class RandomState:

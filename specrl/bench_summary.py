@@ -236,6 +236,11 @@ def _windows(
                 "reused_tokens": total.reused_tokens,
             }
         )
+        identical = [
+            m["bench/identical_responses"] for m in mine if "bench/identical_responses" in m
+        ]
+        if identical:  # a paired bench: the share of responses that are vanilla's to the token
+            out[-1]["identical_responses"] = statistics.fmean(identical)
     return out
 
 
@@ -260,6 +265,11 @@ def window_lines(result: dict[str, Any]) -> list[str]:
                 f"{w['trie_nodes_per_step']:.0f}/{w['trie_nodes_stored_per_step']:.0f}, "
                 f"prompts skipped {w['trie_prompts_skipped']:.0f}, passes skipped "
                 f"{w['trie_passes_skipped']:.0f}"
+                + (
+                    f", responses identical to vanilla's {w['identical_responses']:.3f}"
+                    if "identical_responses" in w
+                    else ""
+                )
             )
     return lines
 

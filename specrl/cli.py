@@ -32,6 +32,7 @@ def main(argv: list[str] | None = None) -> int:
                 args.warmup_steps,
                 args.window,
                 args.interleave,
+                args.paired,
                 args.overrides,
             )
         if args.command == "report":
@@ -116,6 +117,12 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="train each seed's arms at once, one step of each in turn, so every window's times "
         "are measured over the same minutes (all arms' models in memory at once)",
+    )
+    bench.add_argument(
+        "--paired",
+        action="store_true",
+        help="with --interleave: every arm rolls out with the vanilla arm's weights at every step, "
+        "so a window's ratio measures speculation alone, not two trainings that drifted apart",
     )
     bench.add_argument(
         "overrides",
@@ -255,6 +262,7 @@ def _bench(
     warmup_steps: int | None,
     window: int,
     interleave: bool,
+    paired: bool,
     overrides: list[str],
 ) -> int:
     import json
@@ -271,7 +279,7 @@ def _bench(
     cfg = load_config(config_path, overrides, log=_note)
     result = run_bench(
         cfg, Path(out), arm_names, seed_list, warmup_steps=warmup_steps, window=window,
-        interleave=interleave,
+        interleave=interleave, paired=paired,
     )  # fmt: skip
     print(json.dumps(result, indent=2))
     return 0

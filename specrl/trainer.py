@@ -8,7 +8,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import numpy as np
@@ -98,11 +98,17 @@ class Trainer:
         self.run.global_step += 1
         return self.roll_out()
 
-    def finish_step(self, collected: Collected) -> dict[str, float]:
-        """The rest of the step: learn, evaluate and save when due, log."""
+    def finish_step(
+        self, collected: Collected, after_update: Callable[[], None] | None = None
+    ) -> dict[str, float]:
+        """The rest of the step: learn, evaluate and save when due, log. `after_update` runs
+        between the update and the evaluation (the bench's paired arms take another run's weights
+        there)."""
         run = self.run
         metrics = self.learn(collected)
         self._check_finite(metrics)
+        if after_update is not None:
+            after_update()
         if run.cfg.trainer.test_freq > 0 and self._due(run.cfg.trainer.test_freq):
             metrics.update(run.validate())
         if self._due(run.cfg.trainer.save_freq) or self._stop.received:

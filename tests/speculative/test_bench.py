@@ -255,6 +255,68 @@ def test_interleaved_arms_train_as_they_do_one_after_another(tiny_policy_dir, tm
     assert turns["arms"]["trie"]["reused_token_ratio"] > 0
 
 
+def test_paired_arms_roll_out_the_vanilla_arms_policy(tiny_policy_dir, tmp_path):
+    """`--paired`: after every update the speculative arms take the vanilla arm's weights, so
+    the lenient spec arm, whose own updates would train another policy, evaluates and saves
+    vanilla's; each step logs the share of an arm's responses that are vanilla's to the token."""
+    from safetensors.torch import load_file
+
+    reward = tmp_path / "reward.py"  # a reward the tiny policy's samples vary in: it learns
+    reward.write_text(
+        "def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
+        "    return solution_str.count('7') / max(len(solution_str), 1)\n"
+    )
+    cfg = small_config(
+        tiny_policy_dir, tmp_path / "unused", "data.train_size=8", "trainer.total_training_steps=4",
+        "trainer.save_freq=0", "trainer.test_freq=2", "rollout.spec.verify_budget=false",
+        "rollout.spec.tree.adaptive=false", "rollout.spec.acceptance=specrl", "actor.lora.rank=4",
+        f"custom_reward_function.path={reward}", "actor.optim.lr=3e-3",
+    )  # fmt: skip
+    arms = ("vanilla", "spec", "trie")
+    lines = []
+    result = run_bench(cfg, tmp_path / "paired", arms, log=lines.append, warmup_steps=0,
+                       interleave=True, paired=True)  # fmt: skip
+    assert result["paired"]
+    runs = {arm: read_metrics(tmp_path / "paired" / arm) for arm in arms}
+    held_out = {
+        arm: [{k: v for k, v in m.items() if k.startswith("val/")} for m in runs[arm]]
+        for arm in arms
+    }
+    held_out = {arm: [m for m in evaluations if m] for arm, evaluations in held_out.items()}
+    assert len(held_out["vanilla"]) == 3  # before training, at steps 2 and 4
+    for arm in ("spec", "trie"):
+        assert held_out[arm] == held_out["vanilla"]
+        assert "bench/identical_responses" not in runs["vanilla"][1]
+    # the trie arm samples what vanilla does, token for token; the lenient rule keeps drafts
+    # vanilla would not have sampled, in some step
+    assert all(m["bench/identical_responses"] == 1.0 for m in runs["trie"][1:])
+    assert min(m["bench/identical_responses"] for m in runs["spec"][1:]) < 1.0
+    assert "responses identical to vanilla's 1.000" in "\n".join(lines)
+    # the lenient arm's own updates differ (the rollouts they learn from do): it still saved
+    # the vanilla arm's adapters
+    losses = {
+        arm: [m["actor/pg_loss"] for m in runs[arm][1:] if "actor/pg_loss" in m] for arm in arms
+    }
+    assert losses["spec"] != losses["vanilla"]
+    saved = {
+        arm: load_file(next((tmp_path / "paired" / arm).glob("checkpoints/global_step_4/*.safetensors")))
+        for arm in arms
+    }  # fmt: skip
+    for arm in ("spec", "trie"):
+        assert saved[arm].keys() == saved["vanilla"].keys()
+        assert all(saved[arm][k].equal(saved["vanilla"][k]) for k in saved["vanilla"])
+
+
+def test_pairing_arms_needs_them_interleaved_and_one_learner(tmp_path):
+    cfg = load_config(None, [])
+    with pytest.raises(UserError, match=r"--paired: .*add --interleave"):
+        run_bench(cfg, tmp_path / "bench", paired=True, log=lambda _: None)
+    two = load_config(None, ["trainer.n_gpus_per_node=2"])
+    with pytest.raises(UserError, match="--paired: the update runs on 2 learner ranks"):
+        run_bench(two, tmp_path / "bench", interleave=True, paired=True, log=lambda _: None)
+    assert not (tmp_path / "bench").exists()
+
+
 def test_interleaving_refuses_an_engine_the_arms_would_share(tmp_path):
     """vLLM's engine is one per process (`EngineKind.one_per_process`): arms taking turns in it
     would roll out with each other's weights. The bench says so before it builds anything."""
