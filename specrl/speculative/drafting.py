@@ -236,6 +236,41 @@ class Drafting:
         self.source.finished(request, new_tokens)
 
 
+@dataclass
+class TimedDecoding:
+    """A `Drafter` that proposes nothing: decoding as without one, each forward's seconds fitted
+    into `width`'s costs. Where no drafts are decoded, the verification budgets still price a
+    reused token by those costs (what a row and a forward of the decode loop cost); without them
+    they fall back to decoding's average seconds per token, which overprices a token whose reuse
+    leaves the loop as long (SmolLM2 without tree drafts: every pass verified, 0.93x in the
+    window where the budget with the fit skipped them, `benchmarks/cpu-hf-smollm2-chain-sum-40-paired-no-drafts-13f1768`)."""
+
+    width: DraftWidth
+    max_tokens: int = 0
+
+    def worthwhile(self, batch_size: int) -> bool:
+        return False
+
+    def propose(self, request: int, new_tokens: Sequence[int], max_tokens: int) -> list[int]:
+        return []
+
+    def choose(self, lengths: Sequence[int]) -> int:
+        return 0
+
+    def observe(
+        self,
+        proposed: Sequence[int],
+        accepted: Sequence[int],
+        sequences: int,
+        fed_tokens: int,
+        seconds: float,
+    ) -> None:
+        self.width.observe_forward(sequences, fed_tokens, seconds)
+
+    def finished(self, request: int, new_tokens: Sequence[int]) -> None:
+        """Nothing to learn from: no drafts."""
+
+
 class TreeDrafts:
     """The draft source of one `generate_with_drafts` call: request i continues the response of
     prompt `prompt_ids[i]` after `prefixes[i]` (the draft prefix SPEC-RL kept, possibly empty).

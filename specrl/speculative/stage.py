@@ -31,7 +31,7 @@ from specrl.engines import (
 from specrl.errors import UserError
 from specrl.rollouts import SlotRequest, rollout_seed, sample_rollouts
 from specrl.speculative.acceptance import acceptance_rule
-from specrl.speculative.drafting import Drafting, DraftWidth, TreeDrafts
+from specrl.speculative.drafting import Drafting, DraftWidth, TimedDecoding, TreeDrafts
 from specrl.speculative.prompt_state import PromptState
 from specrl.speculative.reuse import reuse_strategy
 from specrl.speculative.slots import Slot
@@ -79,6 +79,12 @@ class SpeculativeStage:
         self.reuse = reuse_strategy(
             cfg, engine, self.rule, self.prompts, sampling, self.draft_width
         )
+        # the budgets price a reused token by the decode forwards' fitted costs: where no drafts
+        # are decoded, the forwards are timed all the same (`TimedDecoding`)
+        self.times_decoding = (
+            cfg.enabled and cfg.verify_budget and capabilities.draft_decoding
+            and not self.tree_drafts
+        )  # fmt: skip
         # the engine's results count drafts: specrl's (trees, stored drafts) or the engine's own
         self.counts_drafts = (
             self.tree_drafts or self.reuse.drafts_in_decoding or capabilities.own_drafts
@@ -198,7 +204,7 @@ class SpeculativeStage:
     def _generate(
         self,
         requests: dict[int, GenRequest],
-        drafting: Drafting | None,
+        drafting: Drafting | TimedDecoding | None,
         prefixes: Prefixes | None,
         stats: RolloutStats,
     ) -> list[GenResult]:
@@ -208,12 +214,16 @@ class SpeculativeStage:
             self.engine.generate_with_drafts, list(requests.values()), drafting, prefixes
         )
 
-    def _drafting(self, slots: list[Slot], requests: dict[int, GenRequest]) -> Drafting | None:
+    def _drafting(
+        self, slots: list[Slot], requests: dict[int, GenRequest]
+    ) -> Drafting | TimedDecoding | None:
         """The engine's drafter for this call: the reuse strategy's drafts (stored drafts
-        verified in decoding) before the token trees' for what is decoded; None when nothing
-        proposes."""
+        verified in decoding) before the token trees' for what is decoded; when nothing proposes,
+        one that times the forwards for the budgets (`times_decoding`), or None."""
         source = self.reuse.drafter(slots, requests, self._tree_drafts(slots, requests))
-        return None if source is None else Drafting(source, self.draft_width)
+        if source is not None:
+            return Drafting(source, self.draft_width)
+        return TimedDecoding(self.draft_width) if self.times_decoding else None
 
     def _tree_drafts(self, slots: list[Slot], requests: dict[int, GenRequest]) -> TreeDrafts | None:
         """Add the responses reused whole to their trees (they are final already), and draft

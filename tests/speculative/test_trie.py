@@ -147,6 +147,25 @@ def test_trie_rollouts_are_vanilla_rollouts_token_for_token(toy_run, sampling):
     assert reused >= 0.3 * tokens  # the trie is used: 3 of 4 rounds have a history
 
 
+def test_without_tree_drafts_the_budget_still_prices_a_token_by_the_decode_forwards(toy_run):
+    """The budgets price a reused token by the decode forwards' fitted costs (c0, a row), which
+    drafting's controller fits. Without tree drafts nothing drafts, so the stage times decoding
+    with a drafter that proposes nothing (`TimedDecoding`): the same tokens, the forwards fitted."""
+    prompts, weights, model, eos = toy_run
+    engine = HFEngine(model, eos, PAD)
+    engine.load_weights(weights[0])
+    sampling = SamplingParams(temperature=1.0)
+    stage = trie_stage(engine, sampling, 72, tree={"enabled": False})
+    rollouts, _ = stage(prompts, 8, (1, 1, 0), 1)
+    c0, cs, cd, _ = stage.draft_width.cost()
+    assert c0 > 0 and cs > 0 and cd is None  # forwards timed, no draft ever verified
+    vanilla = sample_rollouts(engine, prompts, 8, sampling, 72, (1, 1, 0), 1)
+    assert [r.token_ids for r in rollouts] == [r.token_ids for r in vanilla]
+    unbudgeted = trie_stage(engine, sampling, 72, tree={"enabled": False}, verify_budget=False)
+    unbudgeted(prompts, 8, (1, 1, 0), 1)
+    assert unbudgeted.draft_width.cost() is None  # nothing prices a token there: not timed
+
+
 def test_the_budget_verifies_the_nodes_enough_walkers_are_expected_to_reach():
     """E[walkers reaching v] = W · ρ^depth · count[v] / count[root]; v is verified when that
     times the token's cost exceeds the node's. A subtree: every parent of a verified node is."""
