@@ -20,9 +20,9 @@ same work in later arms).
 
 `--paired` (interleaved): every speculative arm rolls out with the vanilla arm's weights at every
 step. Two runs of a real model in float32 part after a few steps (a near-tie sampled one way by a
-decode forward and the other by a verification pass, docs/exactness.md), and from there each arm
-trains its own policy: per-window ratios then compare two trainings as much as two ways of rolling
-out. Paired, the arms' policies are one, so a window's ratio is speculation's alone, and each
+decode forward and the other by a verification pass: "Exact, as measured" in
+docs/speculative.md), and from there each arm trains its own policy: per-window ratios then compare
+two trainings as much as two ways of rolling out. Paired, the arms' policies are one, so a window's ratio is speculation's alone, and each
 step says what share of a speculative arm's responses are vanilla's to the token
 (`bench/identical_responses`).
 
@@ -257,11 +257,11 @@ def train_in_turns(
                     collected[arm].rollouts, collected["vanilla"].rollouts
                 )
             for arm in sorted(turn, key=lambda a: a in followers):  # paired: vanilla's first
-                adopt = functools.partial(adopt_weights, trainers[arm], trainers["vanilla"])
+                adopt = None
+                if arm in followers:
+                    adopt = functools.partial(adopt_weights, trainers[arm], trainers["vanilla"])
                 with states[arm].active():
-                    metrics = trainers[arm].finish_step(
-                        collected[arm], adopt if arm in followers else None
-                    )
+                    metrics = trainers[arm].finish_step(collected[arm], adopt)
                 seconds[arm] = metrics["timing_s/rollout"]
             step = trainers[arms[0]].run.global_step
             log(

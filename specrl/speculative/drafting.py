@@ -243,7 +243,8 @@ class TimedDecoding:
     reused token by those costs (what a row and a forward of the decode loop cost); without them
     they fall back to decoding's average seconds per token, which overprices a token whose reuse
     leaves the loop as long (SmolLM2 without tree drafts: every pass verified, 0.93x in the
-    window where the budget with the fit skipped them, `benchmarks/cpu-hf-smollm2-chain-sum-40-paired-no-drafts-13f1768`)."""
+    window where the budget with the fit skipped them,
+    `benchmarks/cpu-hf-smollm2-chain-sum-40-paired-no-drafts-13f1768`)."""
 
     width: DraftWidth
     max_tokens: int = 0

@@ -79,11 +79,12 @@ class SpeculativeStage:
         self.reuse = reuse_strategy(
             cfg, engine, self.rule, self.prompts, sampling, self.draft_width
         )
-        # the budgets price a reused token by the decode forwards' fitted costs: where no drafts
-        # are decoded, the forwards are timed all the same (`TimedDecoding`)
+        # the budgets (tries, drafts verified before decoding) price a reused token by the decode
+        # forwards' fitted costs: where no drafts are decoded, the forwards are timed all the
+        # same (`TimedDecoding`)
         self.times_decoding = (
             cfg.enabled and cfg.verify_budget and capabilities.draft_decoding
-            and not self.tree_drafts
+            and not self.tree_drafts and not self.reuse.drafts_in_decoding
         )  # fmt: skip
         # the engine's results count drafts: specrl's (trees, stored drafts) or the engine's own
         self.counts_drafts = (

@@ -224,20 +224,25 @@ def test_a_window_says_what_its_verification_cost():
     assert "verification-free 2.00x" in window_lines({"arms": {"trie": {"windows": [window]}}})[0]
 
 
-def test_interleaved_arms_train_as_they_do_one_after_another(tiny_policy_dir, tmp_path):
-    reward = tmp_path / "reward.py"  # a reward the tiny policy's samples vary in: it learns
+def learning_config(tiny_policy_dir, tmp_path, *overrides):
+    """4 steps of the tiny policy with LoRA and a reward its samples vary in, so it learns; the
+    verification budget and adaptive drafts decide from timings: off, so runs can repeat."""
+    reward = tmp_path / "reward.py"
     reward.write_text(
         "def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
         "    return solution_str.count('7') / max(len(solution_str), 1)\n"
     )
-    # the verification budget and adaptive drafts decide from timings: off, so runs can repeat;
-    # adapter dropout draws from the global generators, which each arm keeps its own of
-    cfg = small_config(
+    return small_config(
         tiny_policy_dir, tmp_path / "unused", "data.train_size=8", "trainer.total_training_steps=4",
         "trainer.save_freq=0", "trainer.test_freq=2", "rollout.spec.verify_budget=false",
-        "rollout.spec.tree.adaptive=false", "actor.lora.rank=4", "actor.lora.dropout=0.1",
-        f"custom_reward_function.path={reward}", "actor.optim.lr=3e-3",
+        "rollout.spec.tree.adaptive=false", "actor.lora.rank=4",
+        f"custom_reward_function.path={reward}", "actor.optim.lr=3e-3", *overrides,
     )  # fmt: skip
+
+
+def test_interleaved_arms_train_as_they_do_one_after_another(tiny_policy_dir, tmp_path):
+    # adapter dropout draws from the global generators, which each arm keeps its own of
+    cfg = learning_config(tiny_policy_dir, tmp_path, "actor.lora.dropout=0.1")
     lines = []
     arms = ("vanilla", "spec", "trie")
     apart = run_bench(cfg, tmp_path / "apart", arms, log=lambda _: None, warmup_steps=0)
@@ -261,17 +266,7 @@ def test_paired_arms_roll_out_the_vanilla_arms_policy(tiny_policy_dir, tmp_path)
     vanilla's; each step logs the share of an arm's responses that are vanilla's to the token."""
     from safetensors.torch import load_file
 
-    reward = tmp_path / "reward.py"  # a reward the tiny policy's samples vary in: it learns
-    reward.write_text(
-        "def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
-        "    return solution_str.count('7') / max(len(solution_str), 1)\n"
-    )
-    cfg = small_config(
-        tiny_policy_dir, tmp_path / "unused", "data.train_size=8", "trainer.total_training_steps=4",
-        "trainer.save_freq=0", "trainer.test_freq=2", "rollout.spec.verify_budget=false",
-        "rollout.spec.tree.adaptive=false", "rollout.spec.acceptance=specrl", "actor.lora.rank=4",
-        f"custom_reward_function.path={reward}", "actor.optim.lr=3e-3",
-    )  # fmt: skip
+    cfg = learning_config(tiny_policy_dir, tmp_path, "rollout.spec.acceptance=specrl")
     arms = ("vanilla", "spec", "trie")
     lines = []
     result = run_bench(cfg, tmp_path / "paired", arms, log=lines.append, warmup_steps=0,
