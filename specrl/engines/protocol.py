@@ -167,7 +167,9 @@ class Drafter(Protocol):
     """Draft tokens for `generate_with_drafts` and the number K to verify per forward. The engine
     calls, per decode forward: `worthwhile(B)`, then `propose` per sequence, `choose` once, and
     `observe` with what was accepted, how many sequences and positions the forward computed and
-    how long it took; `finished` per sequence."""
+    how long it took; `finished` per sequence. An engine whose sequences decode together in one
+    loop reports each loop (`observe_loop`: its forwards, its longest sequence's new tokens,
+    the draft tokens accepted per sequence summed over its forwards)."""
 
     max_tokens: int
 
@@ -185,6 +187,8 @@ class Drafter(Protocol):
         fed_tokens: int,
         seconds: float,
     ) -> None: ...
+
+    def observe_loop(self, forwards: int, longest: int, accepted_per_sequence: float) -> None: ...
 
     def finished(self, request: int, new_tokens: Sequence[int]) -> None: ...
 

@@ -51,6 +51,19 @@ class DraftWidth:
     it from cd; 0 until then): while none has been seen lately (their weight decays with the
     cost), the next forward with proposals verifies one draft token per sequence to measure
     them and α afresh. `adaptive=False` always takes every proposed token up to `max_tokens`.
+
+    Tokens per second prices a token of a forward over B sequences at cs plus c0 / B: each
+    accepted draft removes 1/B of a forward. In a decode loop whose sequences started together
+    (the transformers engine) that holds in the tail, but a token accepted in a sequence that
+    finishes before the longest one removes no forward, only the sequence's row from one: on
+    SmolLM2 early in RL, where the longest sequences run to the response limit, 135 tokens
+    accepted in one step removed 4 of 48 forwards and the drafts cost more than they saved. So
+    c0 is weighed by γ, the forwards accepted drafts removed in hindsight (the longest sequence's
+    tokens, which decoding without drafts would have taken as many forwards, less the forwards
+    run) per forward tokens per second assumed they would (Σ over the forwards of the tokens
+    accepted per sequence), at most 1, from a prior of one forward assumed and removed, decayed
+    by `loop_decay` per loop with accepted drafts (`observe_loop`). An engine that does not
+    report its loops (vLLM, whose scheduler decides what runs together) keeps γ = 1.
     """
 
     refit_every = 8
@@ -63,16 +76,20 @@ class DraftWidth:
         ragged: bool = False,
         cost_decay: float = 0.98,
         accept_rate_memory: float = 64.0,
+        loop_decay: float = 0.8,
     ) -> None:
         self.max_tokens = max_tokens
         self.adaptive = adaptive
         self.ragged = ragged
         self.cost_decay = cost_decay  # the cost of a forward drifts slowly
         self.accept_rate_memory = accept_rate_memory
+        self.loop_decay = loop_decay
         # weighted sums of x·[x, t] over forwards, x = (1, B, E, [E > 0])
         self._sums = np.zeros((4, 5))
         self._drafted = 0.0  # weighted count of forwards that verified drafts
         self._trials, self._accepted = 0.0, 0.0  # decayed evidence; α = (accepted+1)/(trials+2)
+        # decayed [forwards removed, forwards assumed removed] of decode loops with accepted drafts
+        self._loops = np.zeros(2)
         self.choices: Counter[int] = Counter()  # K chosen per forward, since the last reset
         self._fit: tuple[float, float, float | None, float | None] | None = None
         self._unfitted = 0  # forwards observed since _fit was fitted
@@ -81,6 +98,13 @@ class DraftWidth:
     @property
     def accept_rate(self) -> float:
         return (self._accepted + 1) / (self._trials + 2)
+
+    @property
+    def forward_share(self) -> float:
+        """γ: the forwards accepted drafts removed per forward tokens per second assumed they
+        would, at most 1."""
+        removed, assumed = self._loops
+        return min(1.0, (removed + 1.0) / (assumed + 1.0))
 
     def cost(self) -> tuple[float, float, float | None, float | None] | None:
         """(c0, cs, cd, cf): cd and cf are None until forwards with drafts measured them; None
@@ -144,7 +168,7 @@ class DraftWidth:
         widths = np.arange(longest + 1)[:, None]
         expected = (1 - alpha ** (np.minimum(caps, widths) + 1)) / (1 - alpha)  # [K+1, B]
         drafts = np.minimum(caps, widths).sum(1) if self.ragged else widths[:, 0] * len(lengths)
-        seconds = c0 + cs * len(lengths) + cd * drafts + cf * (drafts > 0)
+        seconds = self.forward_share * c0 + cs * len(lengths) + cd * drafts + cf * (drafts > 0)
         return int(np.argmax(expected.sum(1) / seconds))
 
     def observe_forward(self, sequences: int, fed_tokens: int, seconds: float) -> None:
@@ -167,12 +191,23 @@ class DraftWidth:
             self._accepted = keep * self._accepted + sum(accepted)
             self._worthwhile.clear()
 
+    def observe_loop(self, forwards: int, longest: int, accepted_per_sequence: float) -> None:
+        """One decode loop over sequences that started together: the forwards it ran, its
+        longest sequence's new tokens (the forwards it would have run without drafts) and, summed
+        over its forwards, the draft tokens each accepted per sequence it decoded. A loop that
+        accepted none says nothing about γ."""
+        if accepted_per_sequence > 0:
+            removed = max(longest - forwards, 0)
+            self._loops = self.loop_decay * self._loops + (removed, accepted_per_sequence)
+            self._worthwhile.clear()
+
     def state_dict(self) -> dict[str, Any]:
         return {
             "cost_sums": self._sums.copy(),
             "drafted": self._drafted,
             "trials": self._trials,
             "accepted": self._accepted,
+            "loops": self._loops.copy(),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -185,6 +220,7 @@ class DraftWidth:
             self._sums, self._drafted = np.zeros((4, 5)), 0.0
         self._fit, self._unfitted = None, 1
         self._trials, self._accepted = float(state["trials"]), float(state["accepted"])
+        self._loops = np.array(state.get("loops", (0.0, 0.0)), dtype=np.float64)
         self._worthwhile.clear()
 
     def reset_choices(self) -> Counter[int]:
@@ -232,6 +268,9 @@ class Drafting:
         self.width.observe_drafts(proposed, accepted)
         self.width.observe_forward(sequences, fed_tokens, seconds)
 
+    def observe_loop(self, forwards: int, longest: int, accepted_per_sequence: float) -> None:
+        self.width.observe_loop(forwards, longest, accepted_per_sequence)
+
     def finished(self, request: int, new_tokens: Sequence[int]) -> None:
         self.source.finished(request, new_tokens)
 
@@ -267,6 +306,9 @@ class TimedDecoding:
         seconds: float,
     ) -> None:
         self.width.observe_forward(sequences, fed_tokens, seconds)
+
+    def observe_loop(self, forwards: int, longest: int, accepted_per_sequence: float) -> None:
+        """Nothing to learn from: no drafts."""
 
     def finished(self, request: int, new_tokens: Sequence[int]) -> None:
         """Nothing to learn from: no drafts."""

@@ -274,6 +274,7 @@ class SpeculativeStage:
                 stats.width_forwards += forwards
                 stats.width_sum += k * forwards
             stats.accept_rate_estimate = self.draft_width.accept_rate
+            stats.draft_forward_share = self.draft_width.forward_share
         if self.tree is not None:
             stats.tree_nodes = self.tree.nodes
             stats.tree_prompts = len(self.tree)

@@ -75,6 +75,8 @@ class RolloutStats:
     tree_nodes: int = field(default=0, metadata=GAUGE)
     tree_prompts: int = field(default=0, metadata=GAUGE)
     accept_rate_estimate: float = field(default=0.0, metadata=GAUGE)
+    # γ: the forwards accepted decode drafts removed per forward tokens per second assumed
+    draft_forward_share: float = field(default=0.0, metadata=GAUGE)
     # the trie budget's fitted seconds per verified position, per decoded token (decoding's
     # average), per row of a decode forward, per forward besides its rows (c0) and per prompt
     # position of a pass beyond decoding's prefill, and its drift ρ
@@ -119,7 +121,8 @@ class RolloutStats:
     def of_workers(cls, stats: Sequence[RolloutStats], wall_s: float) -> RolloutStats:
         """One call over several workers, each holding a shard: counts and the sizes of the
         shards add up; the timings and the slowest slot's forwards are the slowest worker's (they
-        ran side by side), the rollout time the caller's `wall_s`; the acceptance estimate is the workers' mean."""
+        ran side by side), the rollout time the caller's `wall_s`; the draft-width estimates (α,
+        γ) are the workers' means."""
         out = cls.total(stats)
         for name in GAUGE_SUMS:
             setattr(out, name, sum(getattr(s, name) for s in stats))
@@ -133,9 +136,9 @@ class RolloutStats:
         out.compute = functools.reduce(
             ForwardCounts.side_by_side, (s.compute for s in stats), ForwardCounts()
         )
-        out.accept_rate_estimate = float(
-            np.mean([s.accept_rate_estimate for s in stats]) if stats else 0.0
-        )
+        for estimate in ("accept_rate_estimate", "draft_forward_share"):
+            values = [getattr(s, estimate) for s in stats]
+            setattr(out, estimate, float(np.mean(values)) if values else 0.0)
         return out
 
     @classmethod
@@ -250,6 +253,7 @@ DECODE_DRAFT_COUNTS = (
     "width_forwards",
     "width_sum",
     "accept_rate_estimate",
+    "draft_forward_share",
 )
 
 GAUGE_SUMS = ("store_entries", "store_tokens", "store_bytes", "tree_nodes", "tree_prompts")
@@ -325,4 +329,5 @@ METRIC_NAMES = {
     "tree_nodes": "spec/tree/nodes",
     "tree_prompts": "spec/tree/prompts",
     "accept_rate_estimate": "spec/decode_drafts/accept_rate_estimate",
+    "draft_forward_share": "spec/decode_drafts/forward_share",
 }

@@ -214,3 +214,39 @@ def test_forwards_without_drafts_leave_the_accept_rate_where_it_was():
         width.observe_drafts([0] * 8, [0] * 8)
         width.observe_forward(8, 8, 1e-3 + 8 * 2e-5)
     assert width.accept_rate == before < 0.1
+
+
+def test_draft_width_weighs_a_forward_by_the_forwards_accepted_drafts_removed():
+    """Tokens per second takes a token accepted among B sequences to remove 1/B of a forward.
+    Where the loop's longest sequences ran as long with drafts as without (SmolLM2 early in RL:
+    several slots to the response limit), none was removed: a full batch stops drafting, a lone
+    sequence, whose every accepted token is a forward less, still drafts. Loops whose drafts
+    removed what was assumed bring the full batch's drafts back."""
+    width = DraftWidth(8)
+    measured(width, 2e-5, 2e-5)
+    width.observe_drafts([8] * 100, [1] * 100)  # α ≈ 1/2
+    assert width.forward_share == 1.0 and width.choose([8] * 8) >= 1
+    for _ in range(5):
+        width.observe_loop(48, 48, 10.0)  # ten tokens a sequence accepted, no forward removed
+    width.observe_loop(40, 48, 0.0)  # nothing accepted: no evidence either way
+    assert width.forward_share == pytest.approx(1 / (1 + 10 * sum(0.8**i for i in range(5))))
+    assert width.choose([8] * 8) == 0 and width.choose([8]) >= 1
+    again = DraftWidth(8)
+    again.load_state_dict(width.state_dict())
+    assert again.forward_share == width.forward_share
+    for _ in range(20):
+        width.observe_loop(38, 48, 10.0)
+    assert width.forward_share > 0.95 and width.choose([8] * 8) >= 1
+
+
+def test_the_decode_loop_reports_the_forwards_its_drafts_removed(engine):
+    requests = [GenRequest(p, 16, GREEDY) for p in PROMPTS]
+    plain = engine.generate(requests)
+    loops = []
+    source = drafting([r.token_ids for r in plain])
+    source.width.observe_loop = lambda *loop: loops.append(loop)
+    drafted = engine.generate_with_drafts(requests, source)
+    [(forwards, longest, accepted_per_sequence)] = loops
+    assert longest == max(len(r.token_ids) for r in drafted)
+    assert forwards == max(r.forwards for r in drafted) < longest
+    assert 0 < accepted_per_sequence <= sum(r.accepted_tokens for r in drafted)

@@ -79,6 +79,8 @@ class Decoder:
         share_rows = forward is self.forward and self.device.type == "cpu"
         batch = DecodeBatch.start(requests, live, contexts, cache, attention, share_rows)
         eos = torch.tensor(sorted(self.eos_token_ids), device=self.device)
+        made = [0] * len(requests)  # new tokens the loop's forwards emitted, per request
+        forwards, accepted_per_sequence = 0, 0.0
         while True:
             started = time.perf_counter()
             drafts = self._drafts(batch, results, indices)
@@ -97,6 +99,8 @@ class Decoder:
             accepted = _accepted(sampled, fed, proposed)  # [B] draft tokens kept
             emitted, stopped = batch.emit(sampled, accepted, cols, eos)
             n_proposed, n_accepted = proposed.tolist(), accepted.tolist()
+            forwards += 1
+            accepted_per_sequence += sum(n_accepted) / len(n_accepted)
             for request, n, k, a, new, lps, drawn in zip(
                 batch.requests.tolist(),
                 emitted.tolist(),
@@ -107,6 +111,7 @@ class Decoder:
                 intervals.tolist(),
                 strict=True,
             ):
+                made[request] += n
                 result = results[request]
                 result.token_ids.extend(new[:n])
                 result.logprobs.extend(lps[:n])
@@ -128,6 +133,8 @@ class Decoder:
                 seconds = time.perf_counter() - started
                 drafter.observe(n_proposed, n_accepted, fed_rows, fed_tokens, seconds)
             if done:
+                if drafter is not None:
+                    drafter.observe_loop(forwards, max(made), accepted_per_sequence)
                 return results
 
     def _count_decode(self, attention: torch.Tensor, proposed: torch.Tensor, width: int) -> None:
