@@ -59,11 +59,11 @@ class DraftWidth:
     SmolLM2 early in RL, where the longest sequences run to the response limit, 135 tokens
     accepted in one step removed 4 of 48 forwards and the drafts cost more than they saved. So
     c0 is weighed by γ, the forwards accepted drafts removed in hindsight (the longest sequence's
-    tokens, which decoding without drafts would have taken as many forwards, less the forwards
-    run) per forward tokens per second assumed they would (Σ over the forwards of the tokens
-    accepted per sequence), at most 1, from a prior of one forward assumed and removed, decayed
-    by `loop_decay` per loop with accepted drafts (`observe_loop`). An engine that does not
-    report its loops (vLLM, whose scheduler decides what runs together) keeps γ = 1.
+    new tokens, as many forwards as decoding without drafts runs, less the forwards run) per
+    forward tokens per second assumed they would (Σ over the forwards of the tokens accepted per
+    sequence), at most 1, from a prior of one forward assumed and removed, decayed by
+    `loop_decay` per loop with accepted drafts (`observe_loop`). An engine that does not report
+    its loops (vLLM, whose scheduler decides what runs together) keeps γ = 1.
     """
 
     refit_every = 8
