@@ -21,10 +21,10 @@ same work in later arms).
 `--paired` (interleaved): every speculative arm rolls out with the vanilla arm's weights at every
 step. Two runs of a real model in float32 part after a few steps (a near-tie sampled one way by a
 decode forward and the other by a verification pass: "Exact, as measured" in
-docs/speculative.md), and from there each arm trains its own policy: per-window ratios then compare
-two trainings as much as two ways of rolling out. Paired, the arms' policies are one, so a window's ratio is speculation's alone, and each
-step says what share of a speculative arm's responses are vanilla's to the token
-(`bench/identical_responses`).
+docs/speculative.md), and from there each arm trains its own policy: per-window ratios then
+compare two trainings as much as two ways of rolling out. Paired, the arms' policies are one, so
+a window's ratio is speculation's alone, and each step says what share of a speculative arm's
+responses are vanilla's to the token (`bench/identical_responses`).
 
 Writes DIR/bench.json and DIR/bench.png. Speeds are totals over the whole run, measured with
 wall clocks around the rollout stage (verification included) and around whole steps.

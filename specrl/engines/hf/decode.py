@@ -79,8 +79,8 @@ class Decoder:
         share_rows = forward is self.forward and self.device.type == "cpu"
         batch = DecodeBatch.start(requests, live, contexts, cache, attention, share_rows)
         eos = torch.tensor(sorted(self.eos_token_ids), device=self.device)
-        made = [0] * len(requests)  # new tokens the loop's forwards emitted, per request
-        forwards, accepted_per_sequence = 0, 0.0
+        before = [len(r.token_ids) for r in results]  # a first token drawn from `prefixes`
+        accepted_per_sequence = 0.0  # Σ over forwards of draft tokens accepted per sequence
         while True:
             started = time.perf_counter()
             drafts = self._drafts(batch, results, indices)
@@ -99,8 +99,6 @@ class Decoder:
             accepted = _accepted(sampled, fed, proposed)  # [B] draft tokens kept
             emitted, stopped = batch.emit(sampled, accepted, cols, eos)
             n_proposed, n_accepted = proposed.tolist(), accepted.tolist()
-            forwards += 1
-            accepted_per_sequence += sum(n_accepted) / len(n_accepted)
             for request, n, k, a, new, lps, drawn in zip(
                 batch.requests.tolist(),
                 emitted.tolist(),
@@ -111,7 +109,6 @@ class Decoder:
                 intervals.tolist(),
                 strict=True,
             ):
-                made[request] += n
                 result = results[request]
                 result.token_ids.extend(new[:n])
                 result.logprobs.extend(lps[:n])
@@ -132,9 +129,12 @@ class Decoder:
             if drafter is not None:  # the whole iteration: drafting's host work included
                 seconds = time.perf_counter() - started
                 drafter.observe(n_proposed, n_accepted, fed_rows, fed_tokens, seconds)
+                accepted_per_sequence += sum(n_accepted) / len(n_accepted)
             if done:
-                if drafter is not None:
-                    drafter.observe_loop(forwards, max(made), accepted_per_sequence)
+                if drafter is not None:  # the longest-lived sequence was in every forward
+                    forwards = max(results[i].forwards for i in live)
+                    longest = max(len(results[i].token_ids) - before[i] for i in live)
+                    drafter.observe_loop(forwards, longest, accepted_per_sequence)
                 return results
 
     def _count_decode(self, attention: torch.Tensor, proposed: torch.Tensor, width: int) -> None:
