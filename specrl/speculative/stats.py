@@ -88,6 +88,8 @@ class RolloutStats:
     trie_drift: float = field(default=0.0, metadata=GAUGE)
     # σ: how far the ends of a drawn interval moved between its draw and the current policy
     trie_shift: float = field(default=0.0, metadata=GAUGE)
+    # δ: how much the drawn intervals widened since, the policy sharpened on its own samples
+    trie_sharpening: float = field(default=0.0, metadata=GAUGE)
     # the share of the decode loop's forwards reuse removes per share of the tokens it reuses
     trie_loop_factor: float = field(default=0.0, metadata=GAUGE)
     # per-slot drafts: the most draft tokens the budget verified (-1: all), the accept rate α
@@ -309,6 +311,7 @@ METRIC_NAMES = {
     "trie_prompt_cost_s": "timing_s/trie_prompt_cost",
     "trie_drift": "spec/trie/drift",
     "trie_shift": "spec/trie/shift",
+    "trie_sharpening": "spec/trie/sharpening",
     "trie_loop_factor": "spec/trie/loop_factor",
     "drafts_skipped": "spec/slot/drafts_skipped",
     "draft_verify_limit": "spec/slot/verify_limit",

@@ -223,6 +223,41 @@ def test_a_walk_is_predicted_from_its_own_uniforms_where_the_trie_knows_the_draw
     assert prices.select(tree, 2).nodes == []  # the counts alone: 0.9 walkers at most
 
 
+def test_a_policy_sharpened_on_its_history_is_predicted_to_walk_it_further():
+    """History drew [3] where u ∈ (0, 0.3] (then [4], the only way on); RL has since made it
+    likelier, and in hindsight the responses went on to it wherever u ≤ 0.8 (elsewhere to a new
+    token, 9). The held intervals predict 0.3 of those walkers; call after call δ moves until the
+    widened intervals predict as many walkers as reached the nodes (logit 0.8 − logit 0.3 ≈ 2.23).
+    A policy that moved away from its history (the walks reach less) takes δ below 0."""
+    tree = PromptTree()
+    tree.insert([3, 4], intervals=[(0.0, 0.3), (0.0, 1.0)])
+    three = tree.children[0][3]
+    walkers = 1000
+    uniforms = np.stack([(np.arange(walkers) + 0.5) / walkers, np.full(walkers, 0.5)], 1)
+    responses = [[3, 4] if u <= 0.8 else [9] for u in uniforms[:, 0]]
+    realised = sum(reachable(tree, tree.snapshot(), responses, np.zeros((2, DRIFT_BUCKETS))))
+    assert realised == 2 * 800
+    budget = TrieBudget()
+    budget.observe_shifts(np.zeros((500, 2)), np.full((500, 2), 0.001))  # σ ≈ 5.5e-4
+
+    def reach() -> np.ndarray:
+        return expected_walkers(
+            [tree], [walkers], [uniforms], budget.drifts, budget.shift, budget.sharpening
+        )[0]
+
+    assert budget.sharpening == 0.0 and reach()[three] == pytest.approx(0.3 * walkers, rel=0.01)
+    assert budget.select(tree, walkers, uniforms).reach == pytest.approx(reach().sum())
+    for _ in range(20):
+        budget.observe_reach(reach().sum(), realised)
+    assert budget.sharpening == pytest.approx(2.23, abs=0.05)
+    assert reach()[three] == pytest.approx(0.8 * walkers, rel=0.02)
+    budget.observe_reach(realised, realised)  # as predicted: δ stays
+    assert budget.sharpening == pytest.approx(2.23, abs=0.05)
+    away = TrieBudget()
+    away.observe_reach(600.0, 300.0)
+    assert away.sharpening == pytest.approx(math.log(301 / 601)) and away.sharpening < 0
+
+
 def test_with_the_policy_fixed_the_predicted_walks_verify_what_the_walks_reach(toy_run):
     """The built-in policy, its weights fixed, four rounds: each token is drawn in the interval
     its walk or decoding saw (`draw`), the trie keeps it, and a trie pass finds the same

@@ -22,11 +22,13 @@ telescope:
     E[walkers reaching v] = W · Π ρ_k over the moves to v · count[v] / count[root]   (W: walkers)
 
 and where the trie knows a move's drawn interval, each walker's own uniform predicts it
-(`expected_walkers`, walkers.py). v is verified when that times c_token exceeds c_node. The rule
-keeps a subtree: no move's probability exceeds 1, so a node that pays has parents that pay. A
-pruned child is where a walk leaves the trie, and decoding goes on from there with the slot's own
-uniforms: the rollouts are the same tokens (or, off the transformers engine, the same
-distribution) as without a budget.
+(`expected_walkers`, walkers.py), the interval widened by the sharpening δ (`sharpening`: RL
+makes the tokens a policy sampled likelier), moved on every call until the walkers predicted
+over the tries' nodes are as many as reached them in hindsight. v is verified when that times
+c_token exceeds c_node. The rule keeps a subtree: no move's probability exceeds 1, so a node
+that pays has parents that pay. A pruned child is where a walk leaves the trie, and decoding
+goes on from there with the slot's own uniforms: the rollouts are the same tokens (or, off the
+transformers engine, the same distribution) as without a budget.
 
 A pass is a forward of its own, and it computes its prompts as decoding's prefill would: what a
 pass costs beyond that prefill is its nodes' positions and two things no node's price holds. Where
@@ -113,6 +115,7 @@ class Selection:
     nodes: list[int]
     expected_tokens: float
     saving: float = math.inf
+    reach: float = 0.0  # E[walkers reaching v] summed over every node of the trie
 
 
 class VerifyCosts:
@@ -204,6 +207,8 @@ class VerifyCosts:
 
 class TrieBudget(VerifyCosts):
     shift_prior = 0.05  # σ before any pass: an interval's end moves by 0.05
+    sharpening_rate = 1.0  # δ's step per log of the realised over the predicted walkers
+    sharpening_range = (-1.0, 3.0)  # δ = 3: an interval of width 0.05 has widened to 0.51
 
     def __init__(
         self,
@@ -220,6 +225,7 @@ class TrieBudget(VerifyCosts):
         self._loop = np.zeros(4)
         # decayed [distance moved, ends] of verified nodes' drawn intervals (`observe_shifts`)
         self._shifts = np.zeros(2)
+        self.sharpening = 0.0  # δ (`observe_reach`)
 
     @property
     def drift(self) -> float:
@@ -260,6 +266,11 @@ class TrieBudget(VerifyCosts):
         return min(1.0, (removed / forwards) / (reused / tokens))
 
     @property
+    def shift_measured(self) -> bool:
+        """Whether a pass has measured σ (else it is its prior)."""
+        return self._shifts[1] > 0
+
+    @property
     def shift(self) -> float:
         """σ: the scale of how far a drawn interval's ends move between the policy that drew a
         token and the current one (Laplace: the mean distance moved), from a prior of one end
@@ -282,7 +293,7 @@ class TrieBudget(VerifyCosts):
         """The nodes of each of `trees` worth verifying for its `walkers` slots (with their
         uniforms, where known: `expected_walkers`), all of them while the costs are unknown, or
         with the budget off."""
-        reach = expected_walkers(trees, walkers, uniforms, self.drifts, self.shift)
+        reach = expected_walkers(trees, walkers, uniforms, self.drifts, self.shift, self.sharpening)
         return [self._selection(*args) for args in zip(trees, walkers, reach, strict=True)]
 
     def _selection(self, tree: PromptTree, walkers: int, reach: np.ndarray) -> Selection:
@@ -298,12 +309,14 @@ class TrieBudget(VerifyCosts):
         if token_cost is None:
             factor = self.loop_factor
             token_cost = self.token_cost(reuse if factor is None else factor)
+        total = float(reach.sum())
         if not self.enabled or node_cost is None or token_cost is None:
             nodes = np.arange(1, len(counts))
-            return Selection(nodes.tolist(), float(reach[nodes].sum()))
+            return Selection(nodes.tolist(), float(reach[nodes].sum()), reach=total)
         nodes = np.flatnonzero(reach * token_cost > node_cost)
         expected = float(reach[nodes].sum())
-        return Selection(nodes.tolist(), expected, expected * token_cost - len(nodes) * node_cost)
+        saving = expected * token_cost - len(nodes) * node_cost
+        return Selection(nodes.tolist(), expected, saving, total)
 
     def pays_a_pass(
         self, selections: Sequence[Selection], prompt_positions: int, adds_forward: bool
@@ -329,6 +342,15 @@ class TrieBudget(VerifyCosts):
         (`old` [M, 2]) and under the current policy (`new` [M, 2])."""
         moved = np.abs(new - old)
         self._shifts = self.decay * self._shifts + (float(moved.sum()), moved.size)
+
+    def observe_reach(self, predicted: float, realised: float) -> None:
+        """One call's walkers summed over the nodes of its tries, as predicted at the current
+        sharpening δ and as reached in hindsight (`reachable`): δ moves by `sharpening_rate` ·
+        log((realised + 1) / (predicted + 1)), within `sharpening_range`, so that the predictions
+        come to reach as far as the walks do."""
+        step = self.sharpening_rate * math.log((realised + 1.0) / (predicted + 1.0))
+        low, high = self.sharpening_range
+        self.sharpening = min(high, max(low, self.sharpening + step))
 
     def observe_loop(self, lengths: Sequence[int], reusable: Sequence[int]) -> None:
         """One call's slots (all of them: they share the decode loop): each response's length,

@@ -47,8 +47,10 @@ class TrieReuse(Reuse):
         self.tree = tree
         self.sampling = sampling
         self.budget = budget
-        # this call's tries as they stood before it (`PromptTree.snapshot`), by prompt id
+        # this call's tries as they stood before it (`PromptTree.snapshot`), by prompt id, and
+        # the walkers the budget expected over their nodes (None: with σ at its prior)
         self._snapshots: dict[str, tuple[list[int], list[int]]] = {}
+        self._expected_reach: float | None = None
 
     def before_decoding(
         self, slots: list[Slot], seed_key: tuple, prefixes: Prefixes | None, stats: RolloutStats
@@ -85,6 +87,11 @@ class TrieReuse(Reuse):
             trees,
             [len(rows) for rows in groups.values()],
             [uniforms[rows] for rows in groups.values()],
+        )
+        # δ learns from predictions made with σ measured: before any pass, the prior's blur of
+        # the intervals, not the policy, sets how far they reach
+        self._expected_reach = (
+            sum(selection.reach for selection in selections) if self.budget.shift_measured else None
         )
         tries = []  # (context, tree, its selection, rows) of the prompts verified
         for ((_, ids), rows), tree, selection in zip(
@@ -159,6 +166,8 @@ class TrieReuse(Reuse):
                     reusable[i] = reached
             lengths = [len(r) for r in responses]
             self.budget.observe_walks(moves)
+            if self._expected_reach is not None:
+                self.budget.observe_reach(self._expected_reach, sum(reusable))
             self.budget.observe_loop(lengths, reusable)
             stats.trie_reachable_tokens += sum(reusable)
         stats.trie_node_cost_s = self.budget.node_cost or 0.0
@@ -171,6 +180,7 @@ class TrieReuse(Reuse):
         stats.trie_prompt_cost_s = self.budget.prompt_cost
         stats.trie_drift = self.budget.drift
         stats.trie_shift = self.budget.shift
+        stats.trie_sharpening = self.budget.sharpening
         stats.trie_loop_factor = self.budget.loop_factor or 0.0
 
 
