@@ -266,8 +266,7 @@ class TrieBudget(VerifyCosts):
         return min(1.0, (removed / forwards) / (reused / tokens))
 
     @property
-    def shift_measured(self) -> bool:
-        """Whether a pass has measured σ (else it is its prior)."""
+    def shift_measured(self) -> bool:  # a pass has measured σ (else it is its prior)
         return self._shifts[1] > 0
 
     @property
@@ -344,10 +343,9 @@ class TrieBudget(VerifyCosts):
         self._shifts = self.decay * self._shifts + (float(moved.sum()), moved.size)
 
     def observe_reach(self, predicted: float, realised: float) -> None:
-        """One call's walkers summed over the nodes of its tries, as predicted at the current
-        sharpening δ and as reached in hindsight (`reachable`): δ moves by `sharpening_rate` ·
-        log((realised + 1) / (predicted + 1)), within `sharpening_range`, so that the predictions
-        come to reach as far as the walks do."""
+        """One call's walkers over its tries' nodes as predicted at δ and as reached in hindsight
+        (`reachable`): δ moves by `sharpening_rate` · log((realised + 1) / (predicted + 1)),
+        within `sharpening_range`, until the predictions reach as far as the walks do."""
         step = self.sharpening_rate * math.log((realised + 1.0) / (predicted + 1.0))
         low, high = self.sharpening_range
         self.sharpening = min(high, max(low, self.sharpening + step))
