@@ -157,8 +157,8 @@ def test_without_tree_drafts_the_budget_still_prices_a_token_by_the_decode_forwa
     sampling = SamplingParams(temperature=1.0)
     stage = trie_stage(engine, sampling, 72, tree={"enabled": False})
     rollouts, _ = stage(prompts, 8, (1, 1, 0), 1)
-    c0, cs, cd, _ = stage.draft_width.cost()
-    assert c0 > 0 and cs > 0 and cd is None  # forwards timed, no draft ever verified
+    fit = stage.draft_width.cost()  # its values are wall clocks: only that it exists is tested
+    assert fit is not None and fit[2] is None  # forwards timed and fitted, no draft verified
     vanilla = sample_rollouts(engine, prompts, 8, sampling, 72, (1, 1, 0), 1)
     assert [r.token_ids for r in rollouts] == [r.token_ids for r in vanilla]
     unbudgeted = trie_stage(engine, sampling, 72, tree={"enabled": False}, verify_budget=False)
