@@ -47,6 +47,16 @@ def make_tiny_model(
     return Qwen2ForCausalLM(config).eval()
 
 
+def recorded_passes(model):
+    """Input shapes of the model's forward passes, recorded until the hook is removed."""
+    passes = []
+    hook = model.model.register_forward_hook(
+        lambda m, args, kwargs, out: passes.append(tuple(kwargs["input_ids"].shape)),
+        with_kwargs=True,
+    )
+    return passes, hook
+
+
 # A tiny policy shaped like a real chat model (SmolLM2's template): a vocabulary of thousands,
 # pad == eos == the end-of-turn token, which also occurs inside every prompt
 CHAT_VOCAB, CHAT_EOS, CHAT_START = 4096, 2, 3  # <|im_end|> (eos and pad), <|im_start|>

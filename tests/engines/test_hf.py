@@ -9,7 +9,7 @@ from specrl.engines import GREEDY, GenRequest, LogprobRequest, SamplingParams
 from specrl.engines.hf import HFEngine
 from specrl.engines.hf.engine import width_batches
 from specrl.engines.sampling import RowSampling, sampling_cdf, sampling_logprobs, seeded_uniform
-from tests.conftest import EOS, PAD, make_tiny_model
+from tests.conftest import EOS, PAD, make_tiny_model, recorded_passes
 from tests.engines.test_drafts import drafting
 
 PROMPTS = [[3, 4, 5], [6, 7], [2, 3, 4, 5, 6, 7], [8]]
@@ -291,16 +291,6 @@ def test_sequences_of_similar_widths_share_a_forward():
     shuffled = [same[i] for i in (2, 0, 3, 1)]
     regrouped = width_batches([len(k) for k in shuffled], shuffled, 2, 0.25)
     assert [[shuffled[i] for i in b] for b in regrouped] == [[same[i] for i in b] for b in batches]
-
-
-def recorded_passes(model):
-    """Input shapes of the model's forward passes, recorded until the hook is removed."""
-    passes = []
-    hook = model.model.register_forward_hook(
-        lambda m, args, kwargs, out: passes.append(tuple(kwargs["input_ids"].shape)),
-        with_kwargs=True,
-    )
-    return passes, hook
 
 
 @pytest.mark.parametrize("chunks", [1, 2])

@@ -28,6 +28,7 @@ from tests.conftest import (
     chat_like_prompts,
     make_chat_like_model,
     make_tiny_model,
+    recorded_passes,
 )
 from tests.speculative.distributions import SAMPLING, distribution_pvalue, target_and_drafter
 from tests.speculative.exactness import compare_trie_with_vanilla
@@ -100,16 +101,26 @@ def test_a_trie_pass_computes_only_the_distributions_walks_read_bit_for_bit(samp
         np.testing.assert_array_equal(np.delete(read.total, leaves), np.delete(full.total, leaves))
 
 
-def test_decoding_that_leaves_a_trie_continues_from_the_nodes_kv():
-    engine = HFEngine(make_tiny_model(init=0.3), [EOS], PAD)
+@pytest.mark.parametrize("vocab", [12, 4096], ids=["distributions-kept", "large-vocabulary"])
+def test_decoding_that_leaves_a_trie_continues_from_the_nodes_kv(vocab):
+    """A slot that leaves its trie at a node, or at the root, decodes on from the KV the pass
+    computed: no prefill forward. With a large vocabulary the pass keeps no distributions, and
+    a slot that left at the root feeds the prompt's last token after the rest's KV."""
+    model = make_tiny_model(init=0.3, vocab_size=vocab)
+    engine = HFEngine(model, [EOS], PAD)
     tree = trie_of(RESPONSES)
     prompt, sampling = [2, 5, 7], SamplingParams(1.0)
     prefixes = engine.new_prefixes()
     engine.verify_tries([TrieRequest(prompt, tree.parent[1:], tree.token[1:], sampling)], prefixes)
+    assert (prefixes.distributions[0] is None) == (vocab > 12)
     for path in ([3, 4], [9, 9, 9], []):
-        assert prefixes.find([*prompt, *path]) is not None or not path
+        assert prefixes.find([*prompt, *path][:-1]) is not None
         requests = [GenRequest(prompt, 6, sampling, seed, path) for seed in range(8)]
-        cached, fresh = engine.generate(requests, prefixes), engine.generate(requests)
+        passes, hook = recorded_passes(model)
+        cached = engine.generate(requests, prefixes)
+        hook.remove()
+        assert all(width == 1 for _, width in passes)  # decode forwards only: no prefill
+        fresh = engine.generate(requests)
         assert [r.token_ids for r in cached] == [r.token_ids for r in fresh]
         for a, b in zip(cached, fresh, strict=True):
             assert same(a.logprobs, b.logprobs)

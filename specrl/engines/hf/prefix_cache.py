@@ -141,8 +141,11 @@ class PrefixCache:
         return None
 
     def _trie_hit(self, trie: _Trie, head: list[int]) -> Hit | None:
+        """The context of a node, or a head of the prompt (a slot that left its trie at the
+        root feeds the prompt's last token after the KV of the rest; with a large vocabulary the
+        root's distribution is not kept, and that token is not drawn from here first)."""
         prompt = len(trie.prompt)
-        if len(head) < prompt or tuple(head[:prompt]) != trie.prompt:
+        if tuple(head[:prompt]) != trie.prompt[: len(head)]:
             return None
         node, path = 0, []
         for token in head[prompt:]:
@@ -151,12 +154,12 @@ class PrefixCache:
                 return None
             path.append(node)
         columns = [
-            *range(trie.prompt_start, trie.nodes_start),
+            *range(trie.prompt_start, trie.prompt_start + min(len(head), prompt)),
             *(trie.nodes_start + n - 1 for n in path),
         ]
         _, valid = self.batches[trie.batch]
         kept = self.distributions[trie.batch]
         return Hit(
             trie.batch, trie.row, torch.tensor(columns, device=valid.device),
-            None if kept is None else node,
+            None if kept is None or len(head) < prompt else node,
         )  # fmt: skip
