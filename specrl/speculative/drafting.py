@@ -16,7 +16,8 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from specrl.speculative.tree import Cursor, TokenTree
+from specrl.speculative.token_trees import TokenTree
+from specrl.speculative.tree import Cursor
 
 
 class DraftSource(Protocol):

@@ -13,7 +13,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from specrl.speculative.store import RolloutStore
-from specrl.speculative.tree import TokenTree
+from specrl.speculative.token_trees import TokenTree
 
 
 class PromptState:

@@ -37,7 +37,7 @@ from specrl.speculative.reuse import reuse_strategy
 from specrl.speculative.slots import Slot
 from specrl.speculative.stats import RolloutStats
 from specrl.speculative.store import RolloutStore
-from specrl.speculative.tree import TokenTree
+from specrl.speculative.token_trees import TokenTree
 from specrl.types import Prompt, Rollout
 
 
@@ -131,8 +131,9 @@ class SpeculativeStage:
             for q in requests
         ]  # fmt: skip
         prefixes = self.engine.new_prefixes() if self.engine.capabilities.prefix_reuse else None
+        prompt_ids = list(dict.fromkeys(s.prompt.prompt_id for s in slots))
         if self.tree is not None:
-            for pid in dict.fromkeys(s.prompt.prompt_id for s in slots):
+            for pid in prompt_ids:
                 stats.tree_evicted_nodes += self.tree.begin(pid)
         self.reuse.before_decoding(slots, seed_key, prefixes, stats)
         requests = {i: r for i, s in enumerate(slots) if (r := self._continuation(s)) is not None}
@@ -142,11 +143,13 @@ class SpeculativeStage:
         stats.gen_s += time.perf_counter() - gen_start
         self.reuse.after_decoding(slots, results, stats)
         if self.tree is not None:
-            if not self.cfg.tree.online:
-                self.tree.insert_all(
-                    (slots[i].prompt.prompt_id, [*slots[i].kept, *r.token_ids], slots[i].drawn(r))
-                    for i, r in results.items()
-                )
+            # decoded responses join their trees now (online: as they finished), and what the
+            # prompts' next rollouts would drop from the trees goes now, in the same rebuild
+            decoded = () if self.cfg.tree.online else (
+                (slots[i].prompt.prompt_id, [*slots[i].kept, *r.token_ids], slots[i].drawn(r))
+                for i, r in results.items()
+            )  # fmt: skip
+            stats.tree_evicted_nodes += self.tree.close_round(prompt_ids, decoded)
             stats.tree_evicted_nodes += self.tree.evict()
         rollouts = [_assemble(s, results.get(i), policy_version) for i, s in enumerate(slots)]
         if self.lenient:

@@ -16,17 +16,16 @@ From there it follows the most frequent child (ties: the earliest created) for u
 lookup while the sequence stays on a stored path or extends its suffix match; a full suffix
 search runs only when the match breaks, or when the tree changed since the last lookup.
 
-Memory is bounded twice: responses older than `window` rollouts of their prompt are dropped when
-the prompt is rolled out again, and `max_nodes` over all prompts evicts the least recently
-rolled-out prompts' trees whole.
+Responses older than `window` rollouts of their prompt are dropped when
+the prompt is rolled out again (`next_round`, or ahead of it as its round closes:
+`close_round`); the trees of every prompt are `token_trees.TokenTree`.
 """
 
 from __future__ import annotations
 
 import math
-from collections import Counter, OrderedDict
-from collections.abc import Iterable, Sequence
-from typing import Any
+from collections import Counter
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -44,7 +43,9 @@ class PromptTree:
         self.version = 0  # bumped by every change; cursors recompute when it moves
         self._build()
 
-    def _build(self) -> None:
+    def _build(self, earlier: int = 0) -> int:
+        """The tree of the stored responses. → how many nodes the first `earlier` of them hold
+        (a distinct response goes in where its first copy stands)."""
         self.token = [-1]
         self.parent = [-1]
         self.depth = [0]
@@ -57,8 +58,14 @@ class PromptTree:
         # while the policy's interval still holds u
         self.lower, self.upper = [math.nan], [math.nan]
         self.by_token: dict[int, list[int]] = {}
-        for tokens, times in Counter(tokens for _, tokens in self.responses).items():
-            self._add(tokens, times)  # a prompt's slots often hold the same response
+        # a prompt's slots often hold the same response: each distinct one goes in once
+        distinct = list(Counter(tokens for _, tokens in self.responses).items())
+        first = len({tokens for _, tokens in self.responses[:earlier]})
+        for tokens, times in distinct[:first]:
+            self._add(tokens, times)
+        held = self.nodes
+        for tokens, times in distinct[first:]:
+            self._add(tokens, times)
         # then each distinct response's intervals, in the order of its last copy that knew
         # them: the latest win along shared paths
         last: dict[tuple[int, ...], np.ndarray] = {}
@@ -68,6 +75,7 @@ class PromptTree:
                 last[tokens] = drawn
         for tokens, drawn in last.items():
             self._draw(tokens, drawn)
+        return held
 
     @property
     def nodes(self) -> int:
@@ -85,6 +93,17 @@ class PromptTree:
     ) -> None:
         """Add a response, `times` times (slots that hold the same response), with the drawn
         interval of each of its tokens where known (NaN: not)."""
+        tokens, drawn = self._store(tokens, times, intervals)
+        self._add(tokens, times)
+        if drawn is not None:
+            self._draw(tokens, drawn)
+        self.version += 1
+
+    def _store(
+        self, tokens: Sequence[int], times: int, intervals: Sequence[tuple[float, float]] | None
+    ) -> tuple[tuple[int, ...], np.ndarray | None]:
+        """Append a response of this round to `responses` (`times` copies) and its drawn
+        intervals to `drawn`. → the response and its intervals as stored."""
         tokens = tuple(map(int, tokens))
         drawn = None
         if intervals is not None and len(intervals) == len(tokens):
@@ -93,10 +112,7 @@ class PromptTree:
                 drawn = None
         self.responses.extend([(self.round, tokens)] * times)
         self.drawn.extend([drawn] * times)
-        self._add(tokens, times)
-        if drawn is not None:
-            self._draw(tokens, drawn)
-        self.version += 1
+        return tokens, drawn
 
     def _add(self, tokens: tuple[int, ...], times: int = 1) -> None:
         children, count, continued, best = self.children, self.count, self.continued, self.best
@@ -136,15 +152,40 @@ class PromptTree:
         """The prompt is rolled out again: keep the responses of the last `window - 1` rounds
         (the current round adds its own). → nodes freed."""
         self.round += 1
-        keep = [i for i, (r, _) in enumerate(self.responses) if r > self.round - window]
+        return self._keep_window(self.round - window, len(self.responses))
+
+    def close_round(
+        self,
+        responses: Sequence[tuple[Sequence[int], int, Sequence[tuple[float, float]] | None]],
+        window: int,
+    ) -> int:
+        """End this round with its `responses` ((tokens, times, drawn intervals), as `insert`
+        takes them) and drop now the responses the next round will drop (`next_round`, which
+        then has nothing to do): where any are, one build of the kept responses, instead of
+        adding these to the tree now and building it again then. → nodes freed: the tree's
+        nodes that no response it keeps from before holds."""
+        stored = len(self.responses)
+        oldest = self.round + 1 - window  # the next round keeps the rounds after this one
+        if window > 1 and all(r > oldest for r, _ in self.responses):
+            for tokens, times, intervals in responses:
+                self.insert(tokens, times, intervals)
+            return 0
+        for tokens, times, intervals in responses:
+            self._store(tokens, times, intervals)
+        return self._keep_window(oldest, stored)
+
+    def _keep_window(self, oldest: int, stored: int) -> int:
+        """Keep the responses of rounds after `oldest`, rebuilding the tree when any other is
+        stored. → nodes freed: those the kept ones of the first `stored` responses do not hold."""
+        keep = [i for i, (r, _) in enumerate(self.responses) if r > oldest]
         if len(keep) == len(self.responses):
             return 0
         before = self.nodes
         self.responses = [self.responses[i] for i in keep]
         self.drawn = [self.drawn[i] for i in keep]
-        self._build()
+        held = self._build(sum(1 for i in keep if i < stored))
         self.version += 1
-        return before - self.nodes
+        return before - held
 
     def suffix_matches(self, tokens: Sequence[int]) -> list[int]:
         """Nodes whose path ends with the longest suffix of `tokens` found in the tree."""
@@ -222,129 +263,3 @@ class Cursor:
     def propose(self, k: int) -> list[int]:
         node = self.context()
         return [] if node is None or k <= 0 else self.tree.continuation(node, k)
-
-
-class TokenTree:
-    """Token trees of every prompt, keyed by prompt id, least recently rolled out first."""
-
-    def __init__(self, window: int = 2, max_nodes: int = 2_000_000) -> None:
-        self.window = window
-        self.max_nodes = max_nodes
-        self._trees: OrderedDict[str, PromptTree] = OrderedDict()
-        self.nodes = 0
-
-    def __len__(self) -> int:
-        return len(self._trees)
-
-    def get(self, prompt_id: str) -> PromptTree | None:
-        return self._trees.get(prompt_id)
-
-    def _tree(self, prompt_id: str) -> PromptTree:
-        if prompt_id not in self._trees:
-            self._trees[prompt_id] = PromptTree()
-        return self._trees[prompt_id]
-
-    def begin(self, prompt_id: str) -> int:
-        """The prompt is rolled out in this step: drop responses outside the window, mark it
-        recently used. → nodes freed."""
-        tree = self._tree(prompt_id)
-        self._trees.move_to_end(prompt_id)
-        freed = tree.next_round(self.window)
-        self.nodes -= freed
-        return freed
-
-    def insert(
-        self,
-        prompt_id: str,
-        tokens: Sequence[int],
-        times: int = 1,
-        intervals: Sequence[tuple[float, float]] | None = None,
-    ) -> None:
-        tree = self._tree(prompt_id)
-        before = tree.nodes
-        tree.insert(tokens, times, intervals)
-        self.nodes += tree.nodes - before
-
-    def insert_all(self, responses: Iterable[tuple]) -> None:
-        """Add (prompt id, response) pairs, or (prompt id, response, its drawn intervals)
-        triples: each distinct (prompt id, response) once with its multiplicity, with the
-        intervals of its last copy (the same context draws the same intervals)."""
-        times: Counter[tuple[str, tuple[int, ...]]] = Counter()
-        drawn: dict[tuple[str, tuple[int, ...]], Sequence[tuple[float, float]] | None] = {}
-        for prompt_id, tokens, *intervals in responses:
-            key = (prompt_id, tuple(tokens))
-            times[key] += 1
-            drawn[key] = intervals[0] if intervals else None
-        for (prompt_id, tokens), n in times.items():
-            self.insert(prompt_id, tokens, n, drawn[(prompt_id, tokens)])
-
-    def cursor(self, prompt_id: str, tokens: Sequence[int] = ()) -> Cursor | None:
-        tree = self._trees.get(prompt_id)
-        return None if tree is None else Cursor(tree, tokens)
-
-    def propose(self, prompt_id: str, tokens: Sequence[int], k: int) -> list[int]:
-        """Up to k draft tokens to follow `tokens` (the response so far) for this prompt."""
-        cursor = self.cursor(prompt_id, tokens)
-        return [] if cursor is None else cursor.propose(k)
-
-    def evict(self) -> int:
-        """Drop the least recently rolled-out prompts' trees until at most max_nodes remain.
-        → nodes freed."""
-        freed = 0
-        while self.nodes > self.max_nodes and self._trees:
-            _, tree = self._trees.popitem(last=False)
-            freed += tree.nodes
-            self.nodes -= tree.nodes
-        return freed
-
-    def drop(self, prompt_ids: Iterable[str]) -> None:
-        """Forget these prompts' trees: another stage owns them now."""
-        for pid in prompt_ids:
-            tree = self._trees.pop(pid, None)
-            if tree is not None:
-                self.nodes -= tree.nodes
-
-    def state_dict(self) -> dict[str, Any]:
-        return self.export(self._trees)
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self._trees, self.nodes = OrderedDict(), 0
-        self.import_(state)
-
-    def export(self, prompt_ids: Iterable[str]) -> dict[str, Any]:
-        """The trees of these prompts (those that have one), as flat arrays."""
-        prompt_ids = [p for p in prompt_ids if p in self._trees]
-        rounds, lengths, tokens, owners, intervals = [], [], [], [], []
-        for i, pid in enumerate(prompt_ids):
-            tree = self._trees[pid]
-            rounds.append(tree.round)
-            for (r, response), drawn in zip(tree.responses, tree.drawn, strict=True):
-                owners.append((i, r))
-                lengths.append(len(response))
-                tokens.extend(response)
-                unknown = np.full((len(response), 2), np.nan, dtype=np.float32)
-                intervals.append(unknown if drawn is None else drawn)
-        return {
-            "prompt_ids": prompt_ids,
-            "rounds": np.array(rounds, dtype=np.int64),
-            "owners": np.array(owners, dtype=np.int64).reshape(-1, 2),
-            "lengths": np.array(lengths, dtype=np.int64),
-            "tokens": np.array(tokens, dtype=np.int32),
-            "intervals": np.concatenate(intervals or [np.zeros((0, 2), np.float32)]),
-        }
-
-    def import_(self, state: dict[str, Any]) -> None:
-        """Add (or replace) the trees `export` gave, as the most recently rolled-out ones."""
-        trees = [PromptTree() for _ in state["prompt_ids"]]
-        offsets = np.concatenate([[0], np.cumsum(state["lengths"])])
-        drawn = state.get("intervals")  # absent from checkpoints written before they were kept
-        for j, (owner, r) in enumerate(state["owners"].tolist()):
-            tree = trees[owner]
-            tree.round = r
-            span = slice(offsets[j], offsets[j + 1])
-            tree.insert(state["tokens"][span].tolist(), 1, None if drawn is None else drawn[span])
-        for pid, tree, r in zip(state["prompt_ids"], trees, state["rounds"].tolist(), strict=True):
-            tree.round = r
-            old = self._trees.pop(pid, None)
-            self.nodes += tree.nodes - (old.nodes if old is not None else 0)
-            self._trees[pid] = tree

@@ -16,7 +16,7 @@ from specrl.engines.hf import HFEngine
 from specrl.rollouts import sample_rollouts
 from specrl.speculative.drafting import Drafting, DraftWidth, TreeDrafts
 from specrl.speculative.stage import SpeculativeStage
-from specrl.speculative.tree import TokenTree
+from specrl.speculative.token_trees import TokenTree
 from specrl.types import Example, Prompt
 from tests.conftest import EOS, PAD, make_tiny_model, read_metrics
 from tests.speculative.distributions import (

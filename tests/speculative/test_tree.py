@@ -1,6 +1,7 @@
 import math
 import random
 
+import numpy as np
 import pytest
 
 from specrl.config import SpecConfig, TreeConfig
@@ -8,7 +9,8 @@ from specrl.engines import SamplingParams
 from specrl.engines.hf import HFEngine
 from specrl.rollouts import sample_rollouts
 from specrl.speculative.stage import SpeculativeStage
-from specrl.speculative.tree import Cursor, PromptTree, TokenTree
+from specrl.speculative.token_trees import TokenTree
+from specrl.speculative.tree import Cursor, PromptTree
 from specrl.types import Example, Prompt
 from tests.conftest import EOS, PAD, make_tiny_model
 from tests.speculative.distributions import distribution_pvalue, target_and_drafter
@@ -242,11 +244,70 @@ def test_spec_rl_plus_tree_equals_spec_rl_alone(engine):
 
 def test_window_and_node_limit_are_reported():
     engine = HFEngine(make_tiny_model(seed=0, init=1.0), [EOS], PAD)
-    stage = tree_stage(engine, window=1, max_nodes=30)
+    stage = tree_stage(engine, window=2, max_nodes=30)
     for step in range(2):
         _, stats = stage(PROMPTS, 4, ("s", step), step)
-    assert stats.tree_evicted_nodes > 0
+    assert stats.tree_evicted_nodes > 0  # step 0's responses left the window
     assert stats.tree_nodes == stage.tree.nodes <= 30
+
+
+def snapshot(tree: PromptTree) -> tuple:
+    """Everything a round reads of a prompt's tree, node by node."""
+    fields = ("token", "parent", "count", "continued", "best")
+    arrays = tuple(tuple(getattr(tree, name)) for name in fields)
+    return (*arrays, np.array([tree.lower, tree.upper]).tobytes(), tuple(tree.responses))
+
+
+def test_closing_a_round_leaves_the_next_round_the_tree_insert_and_begin_would():
+    """`close_round` (a call's responses in, the next round's drops made now, in one rebuild)
+    leaves each round the tree that inserting the responses and rebuilding at `begin` did, node
+    ids, counts and drawn intervals included; it frees the nodes no kept earlier response holds,
+    and the next `begin` has nothing left to drop."""
+    rng = random.Random(3)
+    for trial in range(40):
+        window = rng.randint(1, 3)
+        closed, inserted = TokenTree(window), TokenTree(window)
+        for _ in range(6):
+            prompt_ids = rng.sample(["a", "b", "c"], rng.randint(1, 3))
+            for pid in prompt_ids:
+                assert closed.begin(pid) == 0
+                inserted.begin(pid)
+                assert snapshot(closed.get(pid)) == snapshot(inserted.get(pid)), trial
+            early = [(pid, random_tokens(rng)) for pid in prompt_ids if rng.random() < 0.3]
+            closed.insert_all(early)  # responses reused whole go in before decoding
+            inserted.insert_all(early)
+            decoded = [
+                (pid, tokens, intervals(rng, len(tokens)))
+                for pid in prompt_ids
+                for tokens in [random_tokens(rng) for _ in range(rng.randint(0, 4))]
+            ]
+            decoded += decoded[: rng.randint(0, len(decoded))]  # slots that drew alike
+            before = {pid: closed.get(pid) for pid in prompt_ids}
+            held_before = {pid: list(tree.responses) for pid, tree in before.items()}
+            nodes_before = {pid: tree.nodes for pid, tree in before.items()}
+            freed = closed.close_round(prompt_ids, decoded)
+            inserted.insert_all(decoded)
+            expected = 0
+            for pid in prompt_ids:
+                kept = [(r, t) for r, t in held_before[pid] if (r, t) in closed.get(pid).responses]
+                expected += nodes_before[pid] - tree_of(kept).nodes
+            assert freed == expected, trial
+            assert closed.nodes == sum(closed.get(pid).nodes for pid in "abc" if closed.get(pid))
+
+
+def intervals(rng: random.Random, n: int) -> list[tuple[float, float]] | None:
+    """Drawn intervals for n tokens, some unknown (NaN), or None."""
+    if rng.random() < 0.2:
+        return None
+    pairs = [(rng.random() / 2, 0.5 + rng.random() / 2) for _ in range(n)]
+    return [(math.nan, math.nan) if rng.random() < 0.2 else pair for pair in pairs]
+
+
+def tree_of(responses: list[tuple[int, tuple[int, ...]]]) -> PromptTree:
+    tree = PromptTree()
+    for _, tokens in responses:
+        tree.insert(tokens)
+    return tree
 
 
 def test_exact_with_adversarial_tree_drafts_matches_the_target_distribution():

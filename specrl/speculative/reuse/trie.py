@@ -26,7 +26,8 @@ from specrl.speculative.reuse.budget import TrieBudget
 from specrl.speculative.reuse.walkers import DRIFT_BUCKETS, drift_bucket
 from specrl.speculative.slots import Reused, Slot
 from specrl.speculative.stats import RolloutStats
-from specrl.speculative.tree import ROOT, PromptTree, TokenTree
+from specrl.speculative.token_trees import TokenTree
+from specrl.speculative.tree import ROOT, PromptTree
 from specrl.types import FinishReason
 
 
