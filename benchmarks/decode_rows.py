@@ -69,9 +69,12 @@ def head_product(head: torch.Tensor, repeats: int) -> dict[str, list]:
     return {"rows": list(ROWS), "ms": ms, "first_four_rows_as_at_m4": as_four}
 
 
-def decode_iterations(model_path: str, repeats: int, tokens: int) -> dict[str, object]:
+def decode_iterations(
+    model_path: str, repeats: int, tokens: int
+) -> tuple[dict[str, object], torch.Tensor]:
     """Every decode iteration of `repeats` rounds of calls over B = 1 ... 16 distinct random
-    prompts of 48 tokens, `tokens` new tokens each, and the linear fits of them."""
+    prompts of 48 tokens, `tokens` new tokens each, and the linear fits of them; the model's LM
+    head."""
     policy, tokenizer = load_policy(resolve_model_path(model_path), "float32")
     engine = HFEngine(policy.eval(), [], tokenizer.pad_token_id)  # no end: rows decode to the end
     width, rng = RecordedWidth(), random.Random(0)
@@ -94,8 +97,7 @@ def decode_iterations(model_path: str, repeats: int, tokens: int) -> dict[str, o
         "fit_all_rows_ms": _linear_fit(rows_seconds),
         "fit_1_to_3_rows_ms": _linear_fit(rows_seconds[rows_seconds[:, 0] <= 3]),
         "iterations": rows_seconds.tolist(),
-        "head": policy.get_output_embeddings().weight.detach(),
-    }
+    }, policy.get_output_embeddings().weight.detach()
 
 
 def _linear_fit(rows_seconds: np.ndarray) -> dict[str, float]:
@@ -112,8 +114,8 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=24)
     args = parser.parse_args()
     torch.set_num_threads(2)
-    decode = decode_iterations(args.model, args.repeats, args.tokens)
-    head = head_product(decode.pop("head"), 15)
+    decode, weight = decode_iterations(args.model, args.repeats, args.tokens)
+    head = head_product(weight, 15)
     result = {"model": args.model, "threads": 2, "head_product": head, "decode": decode}
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "decode_rows.json").write_text(json.dumps(result, indent=1))

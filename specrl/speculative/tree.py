@@ -16,9 +16,9 @@ From there it follows the most frequent child (ties: the earliest created) for u
 lookup while the sequence stays on a stored path or extends its suffix match; a full suffix
 search runs only when the match breaks, or when the tree changed since the last lookup.
 
-Responses older than `window` rollouts of their prompt are dropped when
-the prompt is rolled out again (`next_round`, or ahead of it as its round closes:
-`close_round`); the trees of every prompt are `token_trees.TokenTree`.
+Responses older than `window` rollouts of their prompt are dropped when the prompt is rolled out
+again (`next_round`), or ahead of it as its round closes (`close_round`); the trees of every
+prompt are `token_trees.TokenTree`.
 """
 
 from __future__ import annotations
