@@ -16,6 +16,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from specrl.least_squares import solved
 from specrl.speculative.token_trees import TokenTree
 from specrl.speculative.tree import Cursor
 
@@ -125,7 +126,7 @@ class DraftWidth:
         if xx[0, 0] < 4:
             return None
         for measured in (4, 3) if self._drafted >= 0.5 else (2,):
-            c = _solved(xx[:measured, :measured], xt[:measured])
+            c = solved(xx[:measured, :measured], xt[:measured])
             if c is not None:
                 break
         else:
@@ -227,15 +228,6 @@ class DraftWidth:
     def reset_choices(self) -> Counter[int]:
         choices, self.choices = self.choices, Counter()
         return choices
-
-
-def _solved(a: np.ndarray, b: np.ndarray) -> np.ndarray | None:
-    """The solution of the normal equations a c = b, or None where a is too ill-conditioned to
-    separate the costs (after scaling its columns to unit diagonal)."""
-    scale = np.sqrt(np.diag(a))
-    if scale.min() <= 0 or np.linalg.cond(a / np.outer(scale, scale)) > 1e8:
-        return None
-    return np.linalg.solve(a, b)
 
 
 @dataclass

@@ -7,7 +7,7 @@ from scipy.stats import chisquare
 
 from specrl.engines import GREEDY, GenRequest, LogprobRequest, SamplingParams
 from specrl.engines.hf import HFEngine
-from specrl.engines.hf.engine import width_batches
+from specrl.engines.hf.batching import width_batches
 from specrl.engines.sampling import RowSampling, sampling_cdf, sampling_logprobs, seeded_uniform
 from tests.conftest import EOS, PAD, make_tiny_model, recorded_passes
 from tests.engines.test_drafts import drafting

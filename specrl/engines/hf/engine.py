@@ -10,7 +10,7 @@ implemented: draft decoding, residual sampling, prefix reuse (a `PrefixCache` ha
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import replace
 from pathlib import Path
 
@@ -21,6 +21,7 @@ from transformers import AutoModelForCausalLM, DynamicCache, PreTrainedModel
 
 from specrl.engines.accounting import ForwardCounts
 from specrl.engines.hf.attention import use_small_query_attention
+from specrl.engines.hf.batching import PassCost, in_batches, width_batches
 from specrl.engines.hf.decode import Decoder, left_pad, padded_counts, prefill_counts
 from specrl.engines.hf.kv_cache import layers_kv
 from specrl.engines.hf.prefix_cache import PrefixCache
@@ -47,9 +48,11 @@ class HFEngine:
         draft_decoding=True, residual_sampling=True, prefix_reuse=True, trie_verification=True
     )
     logits_budget = 2**26  # most logits one trie pass computes (256 MB in float32)
-    padding_slack = 0.25  # a verification forward computes at most this much padding
-    # a trie forward's tree attention mask is dense, [W, W] per row: padding costs it more
-    # (verifying recorded tries of the default task: 0.1 took 11% less time than 0.25)
+    # until its verification forwards' costs are fitted (`PassCost`), a verification forward
+    # computes at most this much padding; a trie forward's tree attention mask is dense, [W, W]
+    # per row, so padding costs it more (verifying recorded tries of the default task: 0.1 took
+    # 11% less time than 0.25)
+    padding_slack = 0.25
     trie_padding_slack = 0.1
 
     def __init__(
@@ -66,6 +69,7 @@ class HFEngine:
         self.pad_token_id = pad_token_id
         self.max_batch_size = max_batch_size
         self.counts = ForwardCounts()
+        self.verify_cost = PassCost()  # what its verification forwards cost (batching.py)
         # decoding at static shapes, drafts included, on CUDA as CUDA graphs (static_decode.py)
         self.static = StaticDecode(model, pad_token_id, self.counts) if static_decode else None
 
@@ -129,18 +133,26 @@ class HFEngine:
     def logprobs(
         self, requests: Sequence[LogprobRequest], prefixes: PrefixCache | None = None
     ) -> list[torch.Tensor]:
-        """One forward pass per batch of distinct sequences of similar widths (`width_batches`,
-        at most `max_batch_size` rows). Identical
-        requests (the n slots of a prompt often hold the same draft) are computed once. With
-        `prefixes`, the KV of every verified sequence is kept there for `generate`."""
+        """One forward pass per batch of distinct sequences of similar widths (`width_batches`:
+        as many forwards as the engine's verification forwards' fitted costs say pay, of at most
+        `max_batch_size` rows). Identical requests (the n slots of a prompt often hold the same
+        draft) are computed once. With `prefixes`, the KV of every verified sequence is kept
+        there for `generate`."""
         distinct, where = distinct_requests(requests)
+        widths = [len(r.context_ids) + len(r.target_ids) for r in distinct]
+        kept = [len(r.target_ids) + 1 for r in distinct]
         batches = width_batches(
-            [len(r.context_ids) + len(r.target_ids) for r in distinct],
+            widths,
             [(tuple(r.context_ids), tuple(r.target_ids)) for r in distinct],
             self.max_batch_size,
             self.padding_slack,
+            kept=kept,
+            cost=self.verify_cost.fit(),
         )
-        verified = _in_batches(distinct, batches, lambda b: self._logprob_batch(b, prefixes))
+        verified = in_batches(
+            distinct, batches, lambda b: self._logprob_batch(b, prefixes), self.verify_cost,
+            widths, kept,
+        )  # fmt: skip
         return [verified[i] for i in where]
 
     def _logprob_batch(
@@ -173,17 +185,24 @@ class HFEngine:
         self, requests: Sequence[TrieRequest], prefixes: PrefixCache | None = None
     ) -> list[TrieLogprobs]:
         """Every trie in one forward with a tree attention mask, in batches of tries of similar
-        sizes (`width_batches`), of at most `logits_budget` logits. With `prefixes`, the KV of
+        sizes (`width_batches`, as for `logprobs`), of at most `logits_budget` logits. With `prefixes`, the KV of
         every node (and its distribution, when small) is kept there for `generate`."""
         vocab = self.model.config.get_text_config().vocab_size
+        widths = [len(r.prompt_ids) + len(r.tokens) for r in requests]
+        kept = [len(r.tokens) + 1 for r in requests]
         batches = width_batches(
-            [len(r.prompt_ids) + len(r.tokens) for r in requests],
+            widths,
             [(tuple(r.prompt_ids), tuple(r.tokens), tuple(r.parents)) for r in requests],
             self.max_batch_size,
             self.trie_padding_slack,
             self.logits_budget // vocab,
+            kept,
+            self.verify_cost.fit(),
         )
-        return _in_batches(requests, batches, lambda b: self._trie_batch(b, prefixes))
+        return in_batches(
+            requests, batches, lambda b: self._trie_batch(b, prefixes), self.verify_cost,
+            widths, kept,
+        )  # fmt: skip
 
     def _trie_batch(
         self, requests: Sequence[TrieRequest], prefixes: PrefixCache | None
@@ -267,51 +286,6 @@ class HFEngine:
             torch.cuda.synchronize(logits.device)
         self.counts.add_seconds(kind, time.perf_counter() - started)
         return logits
-
-
-def width_batches(
-    widths: Sequence[int],
-    keys: Sequence[tuple],
-    max_rows: int,
-    slack: float,
-    max_positions: int | None = None,
-) -> list[list[int]]:
-    """The indices of sequences `widths` positions wide grouped into forwards, each padded to
-    its widest: widest first, a batch takes the next while its positions, padding included,
-    stay within `1 + slack` times its real ones, and within `max_rows` rows and `max_positions`
-    positions. A forward costs its padding as it costs real tokens (on a CPU nearly in
-    proportion), and a batch of mixed sizes can be mostly padding. Equal widths are ordered by
-    their `keys` (the sequences' tokens), so the batches, and the float rounding of what they
-    compute, do not depend on the order the sequences come in."""
-    order = sorted(range(len(widths)), key=lambda i: (-widths[i], keys[i]))
-    batches: list[list[int]] = []
-    real = 0  # the last batch's real positions
-    for i in order:
-        if batches:
-            batch = batches[-1]
-            padded = (len(batch) + 1) * widths[batch[0]]
-            if (
-                len(batch) < max_rows
-                and padded <= (1 + slack) * (real + widths[i])
-                and (max_positions is None or padded <= max_positions)
-            ):
-                batch.append(i)
-                real += widths[i]
-                continue
-        batches.append([i])
-        real = widths[i]
-    return batches
-
-
-def _in_batches(
-    requests: Sequence, batches: list[list[int]], compute: Callable[[list], list]
-) -> list:
-    """`compute` of each batch of `requests` (indices), its results back in the requests' order."""
-    out: list = [None] * len(requests)
-    for batch in batches:
-        for i, result in zip(batch, compute([requests[i] for i in batch]), strict=True):
-            out[i] = result
-    return out
 
 
 def tree_inputs(
