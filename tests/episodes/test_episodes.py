@@ -252,10 +252,12 @@ def test_trie_walks_roll_out_vanillas_episodes_token_for_token():
     """4000 two-turn episodes, each turn walking its history trie (built from 256 episodes of
     another policy, whatever their contexts): the episodes are vanilla sampling's for the same
     seeds, token for token, with every turn reusing part of its tokens, slots without a stored
-    episode and turns after a different observation included."""
+    episode and turns after a different observation included. Every node is verified: what the
+    budget verifies depends on this machine's timings (a pass it skips under load reuses nothing;
+    the budget keeps rollouts vanilla's: tests/speculative/test_trie.py)."""
     tokenizer, budget, prompt, n = char_tokenizer(), BUDGET, EPISODE_PROMPT, 4000
     episodes = EpisodeLoop(EnvironmentFactory(Branching, "branching", 5.0), tokenizer, 2, budget)
-    cfg = SpecConfig(enabled=True, acceptance="exact", reuse="trie")
+    cfg = SpecConfig(enabled=True, acceptance="exact", reuse="trie", verify_budget=False)
     history = EpisodeStage(
         SpeculativeStage(engine(9, SMALL_VOCAB), SAMPLING, budget, cfg), episodes
     )

@@ -11,9 +11,9 @@ of its own verification batches (inputs built, the forward, results read back to
     a + b · rows · width + c · rows · width² + d · rows · kept
 
 (a forward, its positions, its attention pairs, its logits columns), and `width_batches` groups
-the sequences, widest first, into the forwards of least total cost under that fit. Until the fit
-separates the four (too few forwards, or forwards too alike) a batch takes the next sequence
-while its padding stays within a fixed share of its positions (`slack`).
+the sequences, widest first, into the forwards of least total cost under that fit. Until there is
+a fit (too few batches, or batches too alike to tell a position's cost from the rest) a batch
+takes the next sequence while its padding stays within a fixed share of its positions (`slack`).
 """
 
 from __future__ import annotations
@@ -47,9 +47,10 @@ class ForwardCost:
 class PassCost:
     """A `ForwardCost` fitted to the verification batches an engine has run, each observed as its
     rows, padded width, logits columns kept per row and seconds: least squares, exponentially
-    weighted, with no cost below zero (of the fits over each set of terms, the per-position cost
-    among them, whose costs all come out positive, the one with least error). None until a fit
-    exists: too few batches, or batches too alike to separate the costs."""
+    weighted, with no cost below zero. Of the fits over each set of the terms that includes the
+    per-position one, those whose costs all come out positive, the one with the least error (the
+    terms left out cost nothing). None until a fit exists: too few batches, or batches too alike
+    to separate the costs."""
 
     decay = 0.98  # per batch: the costs drift slowly
 
