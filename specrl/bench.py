@@ -50,8 +50,7 @@ from specrl.assemble import trainer_device
 from specrl.bench_summary import WINDOW_STEPS, summarize, timing_warnings, window_lines
 from specrl.config import Config, ConfigError, validated
 from specrl.cost_model import ModelShape
-from specrl.engines.build import engine_kind
-from specrl.engines.hf import HFEngine
+from specrl.engines.build import engine_kind, hf_engine
 from specrl.errors import UserError
 from specrl.lora import load_trained_weights
 from specrl.models import eos_token_ids, load_policy
@@ -347,9 +346,9 @@ def _check_cost_model(
     predicted from its steps, and per `window` steps (`windows`) its rollout seconds priced by
     the work it did (`priced_windows`)."""
     policy, tokenizer = load_policy(model_dir, cfg.model.dtype)
-    engine = HFEngine(
-        policy.eval().to(trainer_device(cfg)), eos_token_ids(policy, tokenizer),
-        tokenizer.pad_token_id, cfg.rollout.max_batch_size, cfg.rollout.static_decode,
+    engine = hf_engine(
+        cfg, policy.eval().to(trainer_device(cfg)), eos_token_ids(policy, tokenizer),
+        tokenizer.pad_token_id,
     )  # fmt: skip
     per_seed = {arm: [recorded_steps(h) for h in histories] for arm, histories in runs.items()}
     device = calibrate(engine, shape)

@@ -34,6 +34,10 @@ from specrl.config import GROUP_BASELINES, ConfigError, load_config
             "rollout.static_decode is the hf engine's",
         ),
         (["rollout.block_size=32"], "rollout.block_size is vllm's prefix-cache block"),
+        (
+            ["rollout.name=vllm", "rollout.verify_batching=slack"],
+            "rollout.verify_batching is the hf engine's",
+        ),
         (["rollout.name=sglang"], "invalid value for rollout.name: 'sglang'"),
         (
             ["rollout.spec.tree.enabled=maybe"],

@@ -1,9 +1,10 @@
 """Golden rollouts: fixed seeds give the same rollouts through refactors, on any machine. Seven
 arms over four training steps of the built-in task (two epochs, so the second epoch reuses
-drafts and tries from a policy two updates older); the width of tree drafts is fixed and the
-verification budgets off (the adaptive width and what the budgets verify follow timings; the
-rollouts of a pruned trie and of cut drafts are checked in tests/speculative/test_trie.py and
-test_stage.py). The token ids (and finish reasons) of every step are hashed and compared exactly: a changed hash is a change of behaviour, explained in the commit that updates it.
+drafts and tries from a policy two updates older); the width of tree drafts is fixed, the
+verification budgets off and verification forwards grouped within the padding slacks (the
+adaptive width, what the budgets verify and the fitted grouping follow timings; the rollouts of a
+pruned trie and of cut drafts are checked in tests/speculative/test_trie.py and test_stage.py,
+of the fitted grouping in tests/engines/test_batching.py). The token ids (and finish reasons) of every step are hashed and compared exactly: a changed hash is a change of behaviour, explained in the commit that updates it.
 
 Logprobs are not pinned: float reductions depend on torch's thread count and the CPU's vector
 instructions (AVX2 and AVX-512 kernels differ in the last bits; sums pinned on an AVX2 machine
@@ -98,7 +99,8 @@ def run_digests(policy_dir, out_dir, overrides, threads: int = 2) -> list[tuple[
     cfg = small_config(
         policy_dir, out_dir, f"custom_reward_function.path={reward}", "data.train_size=8", "trainer.total_training_steps=4",
         "trainer.save_freq=0", "trainer.test_freq=0", "trainer.val_before_train=false",
-        "actor.ppo_micro_batch_size=8", "actor.optim.lr=0.01", f"trainer.num_threads={threads}", *overrides,
+        "actor.ppo_micro_batch_size=8", "actor.optim.lr=0.01", f"trainer.num_threads={threads}",
+        "rollout.verify_batching=slack", *overrides,
     )  # fmt: skip
     trainer = Trainer(cfg)
     rollout = trainer.run.cfg.rollout

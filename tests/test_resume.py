@@ -19,6 +19,7 @@ SPEC = [
     "rollout.spec.tree.enabled=true",
     "rollout.spec.tree.adaptive=false",  # the adaptive width depends on timings
     "rollout.spec.verify_budget=false",  # so does what the trie budget verifies
+    "rollout.verify_batching=slack",  # and how the engine groups verification forwards
     "trainer.test_freq=2",
 ]
 

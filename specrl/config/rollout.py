@@ -174,6 +174,14 @@ class RolloutConfig(Section):
         "verify what their paths share in whole blocks once (0: 32 on CPU, whose backend takes "
         "multiples of 32, measured faster than vLLM's 128; vLLM's 16 on GPU)",
     )
+    verify_batching: Literal["fitted", "slack"] = Field(
+        "fitted",
+        description="hf: how verification sequences (trie passes, draft verification) are "
+        "grouped into forwards: fitted, by the costs the engine fits to its own verification "
+        "batches (they follow this machine's timings: a run that must repeat exactly, as a "
+        "resume test, takes slack); slack, padding at most 10% of a trie forward's positions, "
+        "25% of a draft forward's",
+    )
     static_decode: bool = Field(
         False,
         description="hf: decode forwards (drafts included) over a preallocated KV cache at "

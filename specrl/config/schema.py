@@ -137,6 +137,10 @@ class Config(Section):
                 "rollout.static_decode is the hf engine's; vllm captures its own CUDA graphs "
                 "(rollout.enforce_eager=false)"
             )
+        if self.rollout.verify_batching == "slack" and self.rollout.name != "hf":
+            raise ValueError(
+                "rollout.verify_batching is the hf engine's; vllm schedules its own forwards"
+            )
         if self.rollout.block_size and self.rollout.name != "vllm":
             raise ValueError(
                 "rollout.block_size is vllm's prefix-cache block; the hf engine keeps no blocks"

@@ -72,12 +72,19 @@ def build_engine(
     copies nothing. vllm loads `model_dir` (with LoRA: the base model) and then takes the
     policy's current weights."""
     if cfg.rollout.name == "hf":
-        return HFEngine(
-            policy, eos_ids, pad_id, cfg.rollout.max_batch_size, cfg.rollout.static_decode
-        )
+        return hf_engine(cfg, policy, eos_ids, pad_id)
     engine = _vllm_engine(cfg, eos_ids, model_dir)
     engine.load_weights(rollout_weights(policy, engine_kind(cfg.rollout.name).lora_adapters))
     return engine
+
+
+def hf_engine(cfg: Config, policy: PreTrainedModel, eos_ids: list[int], pad_id: int) -> HFEngine:
+    """The transformers engine over `policy`, as the config's rollout section sets it up."""
+    rollout = cfg.rollout
+    return HFEngine(
+        policy, eos_ids, pad_id, rollout.max_batch_size, rollout.static_decode,
+        fitted_batching=rollout.verify_batching == "fitted",
+    )  # fmt: skip
 
 
 def build_worker_engine(
@@ -91,9 +98,7 @@ def build_worker_engine(
         if cfg.actor.lora.rank:
             policy = with_adapters(policy, cfg.actor.lora, cfg.trainer.seed)
         policy.eval().requires_grad_(False)
-        return HFEngine(
-            policy, eos_ids, pad_id, cfg.rollout.max_batch_size, cfg.rollout.static_decode
-        )
+        return hf_engine(cfg, policy, eos_ids, pad_id)
     return _vllm_engine(cfg, eos_ids, model_dir, weight_transfer)
 
 

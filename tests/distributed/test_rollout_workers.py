@@ -26,12 +26,13 @@ RULES = {
     "lenient": ["rollout.spec.acceptance=specrl"],
     "exact": ["rollout.spec.acceptance=exact"],
 }
-# the adaptive draft width and what the trie budget verifies follow timings: fixed / off, so that
-# runs compare bitwise
+# the adaptive draft width, what the trie budget verifies and how the engine groups verification
+# forwards follow timings: fixed / off, so that runs compare bitwise
 COMMON = [
     "rollout.spec.tree.enabled=true",
     "rollout.spec.tree.adaptive=false",
     "rollout.spec.verify_budget=false",
+    "rollout.verify_batching=slack",
 ]
 ROUNDS, BATCH, N = 4, 6, 4
 

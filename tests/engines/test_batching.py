@@ -129,7 +129,8 @@ def test_the_engine_fits_its_verification_forwards_and_batches_by_the_fit():
     observed = []
     engine.verify_cost.observe = lambda *shape: observed.append(shape)
     split = engine.verify_tries(tries), engine.logprobs(drafts)
-    assert len(observed) == engine.counts.verify_forwards > 2
+    slack_forwards = len(observed)
+    assert slack_forwards == engine.counts.verify_forwards > 2
     assert all(seconds > 0 for *_, seconds in observed)
     # a fit under which a forward costs more than any padding: one forward each
     engine.verify_cost.fit = lambda: ForwardCost(fixed=1.0, position=1e-9, pair=0.0, logit=0.0)
@@ -141,3 +142,8 @@ def test_the_engine_fits_its_verification_forwards_and_batches_by_the_fit():
             np.testing.assert_allclose(getattr(a, name), getattr(b, name), atol=1e-5)
     for a, b in zip(split[1], merged[1], strict=True):
         np.testing.assert_allclose(a.numpy(), b.numpy(), atol=1e-5)
+    # rollout.verify_batching=slack: the padding slacks alone, whatever the fit says
+    engine.fitted_batching = False
+    before = engine.counts.verify_forwards
+    engine.verify_tries(tries), engine.logprobs(drafts)
+    assert engine.counts.verify_forwards - before == slack_forwards

@@ -18,6 +18,7 @@ def test_bench_trains_every_arm_and_writes_json_and_plot(tiny_policy_dir, tmp_pa
         "trainer.save_freq=0", "trainer.test_freq=2", "rollout.spec.tree.adaptive=false",
         "rollout.spec.tree.online=true", "rollout.spec.acceptance=specrl",
         "rollout.spec.verify_budget=false",  # the arms' decoded tokens compared: no timings
+        "rollout.verify_batching=slack",
     )  # fmt: skip
     # spec-in-decoding: the exact rule's (test_stage.py); the suffix arms: vLLM's (test_vllm.py)
     arms = tuple(a for a in ARMS if a != "spec-in-decoding" and "suffix" not in a)
@@ -226,7 +227,8 @@ def test_a_window_says_what_its_verification_cost():
 
 def learning_config(tiny_policy_dir, tmp_path, *overrides):
     """4 steps of the tiny policy with LoRA and a reward its samples vary in, so it learns; the
-    verification budget and adaptive drafts decide from timings: off, so runs can repeat."""
+    verification budget, adaptive drafts and the fitted grouping of verification forwards decide
+    from timings: off, so runs can repeat."""
     reward = tmp_path / "reward.py"
     reward.write_text(
         "def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
@@ -235,7 +237,7 @@ def learning_config(tiny_policy_dir, tmp_path, *overrides):
     return small_config(
         tiny_policy_dir, tmp_path / "unused", "data.train_size=8", "trainer.total_training_steps=4",
         "trainer.save_freq=0", "trainer.test_freq=2", "rollout.spec.verify_budget=false",
-        "rollout.spec.tree.adaptive=false", "actor.lora.rank=4",
+        "rollout.spec.tree.adaptive=false", "rollout.verify_batching=slack", "actor.lora.rank=4",
         f"custom_reward_function.path={reward}", "actor.optim.lr=3e-3", *overrides,
     )  # fmt: skip
 

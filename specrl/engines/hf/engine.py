@@ -21,7 +21,7 @@ from transformers import AutoModelForCausalLM, DynamicCache, PreTrainedModel
 
 from specrl.engines.accounting import ForwardCounts
 from specrl.engines.hf.attention import use_small_query_attention
-from specrl.engines.hf.batching import PassCost, in_batches, width_batches
+from specrl.engines.hf.batching import ForwardCost, PassCost, in_batches, width_batches
 from specrl.engines.hf.decode import Decoder, left_pad, padded_counts, prefill_counts
 from specrl.engines.hf.kv_cache import layers_kv
 from specrl.engines.hf.prefix_cache import PrefixCache
@@ -62,6 +62,7 @@ class HFEngine:
         pad_token_id: int,
         max_batch_size: int = 512,
         static_decode: bool = False,
+        fitted_batching: bool = True,
     ) -> None:
         self.model = model
         use_small_query_attention(model)  # drafts' few columns by matmul on the CPU
@@ -69,7 +70,10 @@ class HFEngine:
         self.pad_token_id = pad_token_id
         self.max_batch_size = max_batch_size
         self.counts = ForwardCounts()
-        self.verify_cost = PassCost()  # what its verification forwards cost (batching.py)
+        # what its verification batches cost (batching.py); without `fitted_batching` they are
+        # grouped within the padding slacks alone, whatever the timings
+        self.verify_cost = PassCost()
+        self.fitted_batching = fitted_batching
         # decoding at static shapes, drafts included, on CUDA as CUDA graphs (static_decode.py)
         self.static = StaticDecode(model, pad_token_id, self.counts) if static_decode else None
 
@@ -147,13 +151,16 @@ class HFEngine:
             self.max_batch_size,
             self.padding_slack,
             kept=kept,
-            cost=self.verify_cost.fit(),
+            cost=self._batching_cost(),
         )
         verified = in_batches(
             distinct, batches, lambda b: self._logprob_batch(b, prefixes), self.verify_cost,
             widths, kept,
         )  # fmt: skip
         return [verified[i] for i in where]
+
+    def _batching_cost(self) -> ForwardCost | None:
+        return self.verify_cost.fit() if self.fitted_batching else None
 
     def _logprob_batch(
         self, requests: Sequence[LogprobRequest], prefixes: PrefixCache | None
@@ -197,7 +204,7 @@ class HFEngine:
             self.trie_padding_slack,
             self.logits_budget // vocab,
             kept,
-            self.verify_cost.fit(),
+            self._batching_cost(),
         )
         return in_batches(
             requests, batches, lambda b: self._trie_batch(b, prefixes), self.verify_cost,
