@@ -14,7 +14,7 @@ from specrl.data import load_prompts
 from specrl.distributed.ray_cluster import RAY_AUTH_LOGGER, start_ray, token_auth_enabled_notice
 from specrl.distributed.rollout import RolloutWorkers
 from specrl.engines import SamplingParams
-from specrl.engines.hf import HFEngine
+from specrl.engines.build import hf_engine
 from specrl.models import eos_token_ids, load_policy
 from specrl.speculative.stage import SpeculativeStage
 from specrl.trainer import Trainer
@@ -75,7 +75,7 @@ def _in_process(policy_dir, tmp_path, overrides):
     threads = torch.get_num_threads()
     torch.set_num_threads(cfg.rollout.num_cpus_per_worker)  # as a worker runs
     try:
-        engine = HFEngine(policy, eos_token_ids(policy, tokenizer), tokenizer.pad_token_id)
+        engine = hf_engine(cfg, policy, eos_token_ids(policy, tokenizer), tokenizer.pad_token_id)
         stage = SpeculativeStage(engine, sampling, cfg.data.max_response_length, cfg.rollout.spec)
         rounds = []
         for r in range(1, ROUNDS + 1):
