@@ -192,8 +192,9 @@ class HFEngine:
         self, requests: Sequence[TrieRequest], prefixes: PrefixCache | None = None
     ) -> list[TrieLogprobs]:
         """Every trie in one forward with a tree attention mask, in batches of tries of similar
-        sizes (`width_batches`, as for `logprobs`), of at most `logits_budget` logits. With `prefixes`, the KV of
-        every node (and its distribution, when small) is kept there for `generate`."""
+        sizes (`width_batches`, as for `logprobs`), of at most `logits_budget` logits. With
+        `prefixes`, the KV of every node (and its distribution, when small) is kept there for
+        `generate`."""
         vocab = self.model.config.get_text_config().vocab_size
         widths = [len(r.prompt_ids) + len(r.tokens) for r in requests]
         kept = [len(r.tokens) + 1 for r in requests]
