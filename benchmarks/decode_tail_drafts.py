@@ -6,7 +6,7 @@ trie arm's own rollouts replayed offline under other draft sources.
 
 A reuse step's decode loop runs until its slowest slot is done, so its forwards are that slot's.
 The arm trains on the built-in task (or the overrides' config) for `--steps` steps. At every step
-with a trie pass it records the prompts' token trees as they stood before the walks (what the
+it records the prompts' token trees as they stood before the walks (what the
 engine drafts from) and, per slot, its prompt length, how many tokens its walk reused and its
 whole response. Under the exact rule a slot's response is the same whatever is drafted, so each
 draft source is replayed on the recorded responses: from the first token its walk did not reuse,
@@ -21,7 +21,11 @@ slots' forwards. Sources:
   that path counted as a substitution; drafted from there while at most one of the last 8 tokens
   was off, otherwise as `tree`;
 - `aligned+ngram`: as `aligned`, and where the tree proposes nothing, the most frequent
-  continuation in a 5-gram table of all the step's stored responses (every prompt's).
+  continuation in a 5-gram table of all the step's stored responses (every prompt's);
+- `prompt`: prompt lookup (as vLLM's `ngram` method): the tokens that followed the latest
+  earlier occurrence of the context's last 3, else 2, else 1 tokens in the prompt and the
+  response so far;
+- `tree+prompt`: as `tree`, and where the tree proposes nothing, as `prompt`.
 
 Also per step: the slowest slot's decoded tokens and how many of them follow their previous
 token nowhere in the prompt's tree (an unseen bigram: no edge of the tree proposes it there).
@@ -84,11 +88,24 @@ def ngram_drafts(table, response: list[int], k: int) -> list[int]:
     return out
 
 
-def drafts(source: str, tree, table, response: list[int], k: int) -> list[int]:
+def prompt_lookup(context: list[int], k: int, longest: int = 3) -> list[int]:
+    for n in range(min(longest, len(context) - 1), 0, -1):
+        key = context[-n:]
+        for start in range(len(context) - n - 1, -1, -1):
+            if context[start : start + n] == key:
+                return context[start + n : start + n + k]
+    return []
+
+
+def drafts(
+    source: str, tree, table, response: list[int], k: int, prompt: list[int] = ()
+) -> list[int]:
     from specrl.speculative.tree import Cursor
 
+    if source == "prompt":
+        return prompt_lookup([*prompt, *response], k)
     if tree is None:
-        return []
+        return prompt_lookup([*prompt, *response], k) if source == "tree+prompt" else []
     if source != "tree":
         node = aligned_node(tree, response)
         if node is not None:
@@ -96,6 +113,8 @@ def drafts(source: str, tree, table, response: list[int], k: int) -> list[int]:
     proposed = Cursor(tree, response).propose(k)
     if not proposed and source == "aligned+ngram":
         return ngram_drafts(table, response, k)
+    if not proposed and source == "tree+prompt":
+        return prompt_lookup([*prompt, *response], k)
     return proposed
 
 
@@ -140,7 +159,9 @@ def branch_accepted(tree, response: list[int], at: int, nodes: int) -> int:
     return best
 
 
-def slot_forwards(source: str, tree, table, response: list[int], reused: int, k: int) -> int:
+def slot_forwards(
+    source: str, tree, table, response: list[int], reused: int, k: int, prompt: list[int]
+) -> int:
     """Forwards to decode `response` from token `reused` on, each emitting one token and the
     leading drafts that equal the response's next tokens (`branches`: a draft tree of k nodes,
     its longest path that does)."""
@@ -149,7 +170,7 @@ def slot_forwards(source: str, tree, table, response: list[int], reused: int, k:
         if tree is not None and source == "branches":
             accepted = branch_accepted(tree, response, at, k)
         else:
-            proposed = drafts(source, tree, table, response[:at], k)
+            proposed = drafts(source, tree, table, response[:at], k, prompt)
             accepted = 0
             while (
                 accepted < len(proposed)
@@ -181,6 +202,7 @@ def replay(step: dict, ks: list[int], branch_nodes: list[int]) -> dict:
     decoding = [s for s in slots if s["reused"] < len(s["response"])]
     out = {
         "step": step["step"],
+        "trie_pass": step["trie_pass"],
         "engine_decode_forwards": step["engine_decode_forwards"],
         "slots_decoding": len(decoding),
         "decoded_tokens": sum(len(s["response"]) - s["reused"] for s in decoding),
@@ -195,11 +217,15 @@ def replay(step: dict, ks: list[int], branch_nodes: list[int]) -> dict:
         ("tree", ks),
         ("aligned", ks),
         ("aligned+ngram", ks),
+        ("prompt", ks),
+        ("tree+prompt", ks),
         ("branches", branch_nodes),
     ):
         for k in sizes:
             per_slot = [
-                slot_forwards(source, trees.get(s["prompt"]), table, s["response"], s["reused"], k)
+                slot_forwards(
+                    source, trees.get(s["prompt"]), table, s["response"], s["reused"], k, s["ids"]
+                )
                 for s in decoding
             ]
             out[f"{source}/nodes={k}" if source == "branches" else f"{source}/K={k}"] = {
@@ -240,6 +266,7 @@ def main() -> None:
         recorded["slots"] = [
             {
                 "prompt": s.prompt.prompt_id,
+                "ids": list(s.prompt.ids),
                 "reused": len(s.kept),
                 "response": [*s.kept, *(results[i].token_ids if i in results else ())],
             }
@@ -254,9 +281,8 @@ def main() -> None:
             trainer.run.global_step = step
             recorded.clear()
             metrics = trainer.train_step()
-            if not metrics.get("perf/verify/forwards"):
-                continue
             recorded["step"] = step
+            recorded["trie_pass"] = bool(metrics.get("perf/verify/forwards"))
             recorded["engine_decode_forwards"] = metrics["perf/decode/forwards"]
             steps.append(replay(recorded, ks, branch_nodes))
             print(json.dumps(steps[-1]), flush=True)

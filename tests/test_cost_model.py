@@ -173,6 +173,7 @@ def test_bench_checks_the_cost_model_and_project_prices_its_trace(
     cfg = small_config(
         tiny_policy_dir, tmp_path / "unused", "data.train_size=8", "trainer.total_training_steps=4",
         "trainer.save_freq=0", "trainer.test_freq=0", "trainer.val_before_train=false",
+        "rollout.spec.verify_budget=false",  # passes to price: the budget decides from timings
     )  # fmt: skip
     out = tmp_path / "bench"
     result = run_bench(cfg, out, ("vanilla", "trie"), log=lambda _: None)

@@ -40,10 +40,12 @@ def _frozen(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 def test_fresh_adapters_sample_and_score_as_the_base_model(tiny_policy_dir, tmp_path):
     """B = 0 at initialisation: step 0's rollouts and logprobs are the base model's, token for
-    token, and the reference (adapters disabled) agrees."""
-    base = Trainer(small_config(tiny_policy_dir, tmp_path / "base"))
+    token, and the reference (adapters disabled) agrees. The draft width is fixed: chosen from
+    timings, it would give the two runs' forwards different shapes (logprobs equal to rounding)."""
+    fixed = "rollout.spec.tree.adaptive=false"
+    base = Trainer(small_config(tiny_policy_dir, tmp_path / "base", fixed))
     lora = Trainer(
-        small_config(tiny_policy_dir, tmp_path / "lora", *LORA, "actor.use_kl_loss=true")
+        small_config(tiny_policy_dir, tmp_path / "lora", fixed, *LORA, "actor.use_kl_loss=true")
     )
     assert peft_model(lora.run.actor.policy) is not None and lora.run.actor.reference is None
     a, b = _rollouts(base), _rollouts(lora)

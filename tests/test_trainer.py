@@ -32,14 +32,14 @@ def test_run_writes_config_metrics_and_checkpoints(tiny_policy_dir, tmp_path):
 
 def test_same_seed_same_metrics(tiny_policy_dir, tmp_path):
     """Every metric but timings; what the trie budget verifies (and so what is reused, and the
-    forwards) and how the engine groups verification forwards follow timings too: both are off
-    here. The rollouts are the same tokens either way (tests/speculative/test_trie.py,
+    forwards), how the engine groups verification forwards and how many draft tokens a decode
+    forward verifies follow timings too: all three are fixed here. The rollouts are the same tokens either way (tests/speculative/test_trie.py,
     tests/engines/test_batching.py)."""
     runs = []
     for name in ("a", "b"):
         overrides = (
             "trainer.save_freq=0", "rollout.spec.verify_budget=false",
-            "rollout.verify_batching=slack",
+            "rollout.verify_batching=slack", "rollout.spec.tree.adaptive=false",
         )  # fmt: skip
         Trainer(small_config(tiny_policy_dir, tmp_path / name, *overrides)).fit()
         runs.append(

@@ -31,7 +31,14 @@ from specrl.engines import (
 from specrl.errors import UserError
 from specrl.rollouts import SlotRequest, rollout_seed, sample_rollouts
 from specrl.speculative.acceptance import acceptance_rule
-from specrl.speculative.drafting import Drafting, DraftWidth, TimedDecoding, TreeDrafts
+from specrl.speculative.drafting import (
+    Drafting,
+    DraftSource,
+    DraftWidth,
+    TimedDecoding,
+    TreeDrafts,
+)
+from specrl.speculative.lookup import FirstProposal, PromptLookup
 from specrl.speculative.prompt_state import PromptState
 from specrl.speculative.reuse import reuse_strategy
 from specrl.speculative.slots import Slot
@@ -229,10 +236,13 @@ class SpeculativeStage:
             return Drafting(source, self.draft_width)
         return TimedDecoding(self.draft_width) if self.times_decoding else None
 
-    def _tree_drafts(self, slots: list[Slot], requests: dict[int, GenRequest]) -> TreeDrafts | None:
+    def _tree_drafts(
+        self, slots: list[Slot], requests: dict[int, GenRequest]
+    ) -> DraftSource | None:
         """Add the responses reused whole to their trees (they are final already), and draft
-        from the trees: none when every tree the requests would draft from is empty and stays
-        so (prompts rolled out for the first time, without online trees)."""
+        from the trees, then by prompt lookup (`tree.prompt_lookup`): no tree drafts when every
+        tree the requests would draft from is empty and stays so (prompts rolled out for the
+        first time, without online trees)."""
         if self.tree is None:
             return None
         self.tree.insert_all(
@@ -243,11 +253,14 @@ class SpeculativeStage:
         if not self.tree_drafts:
             return None
         prompt_ids = [slots[i].prompt.prompt_id for i in requests]
-        if not self.cfg.tree.online and all(self.tree.get(p).nodes == 0 for p in prompt_ids):
-            return None
-        return TreeDrafts(
-            self.tree, prompt_ids, [r.prefix_ids for r in requests.values()], self.cfg.tree.online
-        )
+        sources: list[DraftSource] = []
+        if self.cfg.tree.online or any(self.tree.get(p).nodes for p in prompt_ids):
+            prefixes = [r.prefix_ids for r in requests.values()]
+            sources.append(TreeDrafts(self.tree, prompt_ids, prefixes, self.cfg.tree.online))
+        if self.cfg.tree.prompt_lookup:
+            contexts = [[*r.prompt_ids, *r.prefix_ids] for r in requests.values()]
+            sources.append(PromptLookup(contexts, self.cfg.tree.prompt_lookup))
+        return FirstProposal(*sources) if len(sources) > 1 else next(iter(sources), None)
 
     def _logprobs_where_left(
         self, stats: RolloutStats, pairs: list[tuple[list[int], int]]
