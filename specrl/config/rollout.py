@@ -43,12 +43,12 @@ class TreeConfig(Section):
         description="most tree nodes over all prompts; least recently rolled-out prompts go first",
     )
     prompt_lookup: int = Field(
-        3,
+        0,
         ge=0,
         description="where the trees propose nothing (a prompt's first rollout included), draft "
         "the tokens that followed the latest earlier occurrence of a sequence's last n <= "
         "prompt_lookup tokens in its prompt and response (vLLM's ngram method; method=specrl); "
-        "0: off",
+        "0 (default): off, measured no faster on CPU (docs/trees.md)",
     )
 
 
