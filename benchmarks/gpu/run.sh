@@ -14,7 +14,7 @@
 # ARMS: the bench's arms; PROFILE_ARMS: the arms profiled (none: no profile), each over the first
 # step of epochs 0 and 1 (torch.profiler) and the second of epoch 1 (cProfile); STATIC_DECODE=1:
 # the transformers engine decodes at static shapes, as CUDA graphs (rollout.static_decode; the
-# dry run decodes so, eagerly, on the CPU).
+# dry run decodes so, eagerly, on the CPU); EXTRA: more config overrides for every arm (words).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 dry=0
@@ -55,6 +55,10 @@ else
   if [ "${STATIC_DECODE:-0}" = 1 ]; then run+=(rollout.static_decode=true); fi
   name=$("$python" -c "import torch; print(torch.cuda.get_device_name())")
   case "$name" in *H200*) project_device=h200 ;; *) project_device=h100 ;; esac
+fi
+if [ -n "${EXTRA:-}" ]; then
+  read -r -a extra <<< "$EXTRA"
+  run+=("${extra[@]}")
 fi
 
 {
