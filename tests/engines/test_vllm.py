@@ -15,6 +15,7 @@ from specrl.engines import GREEDY, GenRequest, LogprobRequest, SamplingParams
 from specrl.engines.hf import HFEngine
 from specrl.rollouts import sample_rollouts
 from specrl.speculative.drafting import Drafting, DraftWidth, TreeDrafts
+from specrl.speculative.lookup import PromptLookup
 from specrl.speculative.stage import SpeculativeStage
 from specrl.speculative.token_trees import TokenTree
 from specrl.types import Example, Prompt
@@ -389,6 +390,23 @@ def test_greedy_decoding_with_proposer_drafts_equals_greedy_decoding_without(
     accepted = sum(r.accepted_tokens for r in drafted)
     assert 0 < accepted < sum(r.draft_tokens for r in drafted)
     assert sum(r.forwards for r in drafted) < sum(len(r.token_ids) for r in drafted)
+
+
+def test_greedy_decoding_with_prompt_lookup_drafts_equals_greedy_decoding_without(
+    vllm_engine, drafting_engine
+):
+    """Drafts copied from each request's own context through the proposer (a greedy response
+    that repeats itself is drafted its repetition): some accepted, the tokens greedy's."""
+    model = tiny(3)
+    synced(vllm_engine, model)
+    drafting_engine.load_weights(model.state_dict())
+    requests = [GenRequest(p, 16, GREEDY) for p in PROMPTS]
+    plain = vllm_engine.generate(requests)
+    drafted = drafting_engine.generate_with_drafts(
+        requests, Drafting(PromptLookup(PROMPTS), DraftWidth(4, adaptive=False))
+    )
+    assert [r.token_ids for r in drafted] == [r.token_ids for r in plain]
+    assert 0 < sum(r.accepted_tokens for r in drafted) < sum(r.draft_tokens for r in drafted)
 
 
 def test_greedy_decoding_with_vllms_suffix_drafts_equals_greedy_decoding_without(
