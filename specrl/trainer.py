@@ -111,14 +111,15 @@ class Trainer:
             after_update()
         if run.cfg.trainer.test_freq > 0 and self._due(run.cfg.trainer.test_freq):
             metrics.update(run.validate())
-        if self._due(run.cfg.trainer.save_freq) or self._stop.received:
+        stop = self._stop.received  # read once: a signal arriving later stops the next step
+        if self._due(run.cfg.trainer.save_freq) or stop:
             path = run.save()
         run.tracker.log(metrics)
         self._advance(metrics)
-        if self._stop.received:
+        if stop:
             raise RunInterrupted(
                 f"interrupted at step {run.global_step}; saved {path}; rerun the same command to "
-                "resume", self._stop.received,
+                "resume", stop,
             )  # fmt: skip
         return metrics
 

@@ -10,6 +10,7 @@ import time
 import pytest
 
 from specrl.cli import main
+from specrl.run_dir import RunInterrupted
 from specrl.trainer import Trainer
 from tests.conftest import read_metrics, small_config
 
@@ -132,6 +133,32 @@ def test_an_interrupted_run_saves_and_its_rerun_resumes_as_if_uninterrupted(
     for x, y in zip(a, b, strict=True):
         for key in ("critic/score/mean", "response_length/mean", "actor/pg_loss"):
             assert x.get(key) == pytest.approx(y.get(key), rel=1e-5, abs=1e-6), key
+
+
+class LateSignal:
+    """A signal that arrives while a step is being finished: after the step first asks."""
+
+    def __init__(self):
+        self.asked = 0
+
+    @property
+    def received(self):
+        self.asked += 1
+        return None if self.asked == 1 else signal.SIGTERM
+
+
+def test_a_signal_arriving_as_a_step_ends_stops_the_next_step_after_saving(
+    tiny_policy_dir, tmp_path
+):
+    trainer = Trainer(small_config(tiny_policy_dir, tmp_path / "run", "trainer.save_freq=0"))
+    with pytest.raises(RunInterrupted) as stopped, trainer.running():
+        trainer._stop = LateSignal()
+        trainer.step()  # the step had asked before the signal came: it ends as usual
+        assert trainer.run.global_step == 1
+        trainer.step()
+    assert stopped.value.exit_code == 128 + signal.SIGTERM
+    assert f"interrupted at step 2; saved {tmp_path / 'run' / 'checkpoints'}" in str(stopped.value)
+    assert (tmp_path / "run" / "checkpoints" / "global_step_2").is_dir()
 
 
 def test_a_truncated_last_metrics_line_is_dropped_by_resume_and_report(
