@@ -45,6 +45,7 @@ import tempfile
 from pathlib import Path
 
 NGRAM = 5
+LOOKUP = 3  # `prompt`: the longest n-gram looked up (rollout.spec.tree.prompt_lookup)
 WINDOW, MISSES = 8, 1  # `aligned`: drafted while at most MISSES of the last WINDOW tokens were off
 
 
@@ -88,13 +89,11 @@ def ngram_drafts(table, response: list[int], k: int) -> list[int]:
     return out
 
 
-def prompt_lookup(context: list[int], k: int, longest: int = 3) -> list[int]:
-    for n in range(min(longest, len(context) - 1), 0, -1):
-        key = context[-n:]
-        for start in range(len(context) - n - 1, -1, -1):
-            if context[start : start + n] == key:
-                return context[start + n : start + n + k]
-    return []
+def prompt_lookup(context: list[int], k: int) -> list[int]:
+    """What the engine's prompt lookup source proposes after `context`."""
+    from specrl.speculative.lookup import PromptLookup
+
+    return PromptLookup([context], LOOKUP).propose(0, [], k)
 
 
 def drafts(
