@@ -6,9 +6,8 @@ trie arm's own rollouts replayed offline under other draft sources.
 
 A reuse step's decode loop runs until its slowest slot is done, so its forwards are that slot's.
 The arm trains on the built-in task (or the overrides' config) for `--steps` steps. At every step
-it records the prompts' token trees as they stood before the walks (what the
-engine drafts from) and, per slot, its prompt length, how many tokens its walk reused and its
-whole response. Under the exact rule a slot's response is the same whatever is drafted, so each
+it records the prompts' token trees as they stood before the walks (what the engine drafts from)
+and, per slot, its prompt, how many tokens its walk reused and its whole response. Under the exact rule a slot's response is the same whatever is drafted, so each
 draft source is replayed on the recorded responses: from the first token its walk did not reuse,
 a forward emits one token plus the leading draft tokens equal to the response's next ones (at
 most K). Per step: the engine's own decode forwards (measured, K adapted per forward, finished

@@ -24,16 +24,15 @@ class PromptLookup:
         self._tokens: list[list[int] | None] = [None] * len(contexts)
         # per request: n-gram → where the token after its latest occurrence (with one) stands
         self._follows: list[dict[tuple[int, ...], int]] = [{} for _ in contexts]
-        self._indexed = [0] * len(contexts)
 
     def propose(self, request: int, new_tokens: Sequence[int], max_tokens: int) -> list[int]:
         tokens = self._tokens[request]
         if tokens is None:
             tokens = self._tokens[request] = [int(t) for t in self._contexts[request]]
             self._index(request, 1)
-        start = len(tokens) - len(self._contexts[request])
-        tokens.extend(int(t) for t in new_tokens[start:])
-        self._index(request, self._indexed[request])
+        known = len(tokens)
+        tokens.extend(int(t) for t in new_tokens[known - len(self._contexts[request]) :])
+        self._index(request, known)
         follows = self._follows[request]
         for n in range(min(self.longest, len(tokens) - 1), 0, -1):
             at = follows.get(tuple(tokens[-n:]))
@@ -47,7 +46,6 @@ class PromptLookup:
         for at in range(start, len(tokens)):
             for n in range(1, min(self.longest, at) + 1):
                 follows[tuple(tokens[at - n : at])] = at
-        self._indexed[request] = len(tokens)
 
     def finished(self, request: int, new_tokens: Sequence[int]) -> None:
         """Nothing to learn from: each request drafts from its own context."""

@@ -231,12 +231,12 @@ class SpeculativeStage:
         """The engine's drafter for this call: the reuse strategy's drafts (stored drafts
         verified in decoding) before the token trees' for what is decoded; when nothing proposes,
         one that times the forwards for the budgets (`times_decoding`), or None."""
-        source = self.reuse.drafter(slots, requests, self._tree_drafts(slots, requests))
+        source = self.reuse.drafter(slots, requests, self._decode_drafts(slots, requests))
         if source is not None:
             return Drafting(source, self.draft_width)
         return TimedDecoding(self.draft_width) if self.times_decoding else None
 
-    def _tree_drafts(
+    def _decode_drafts(
         self, slots: list[Slot], requests: dict[int, GenRequest]
     ) -> DraftSource | None:
         """Add the responses reused whole to their trees (they are final already), and draft
