@@ -33,8 +33,8 @@ def test_run_writes_config_metrics_and_checkpoints(tiny_policy_dir, tmp_path):
 def test_same_seed_same_metrics(tiny_policy_dir, tmp_path):
     """Every metric but timings; what the trie budget verifies (and so what is reused, and the
     forwards), how the engine groups verification forwards and how many draft tokens a decode
-    forward verifies follow timings too: all three are fixed here. The rollouts are the same tokens either way (tests/speculative/test_trie.py,
-    tests/engines/test_batching.py)."""
+    forward verifies follow timings too: all three are fixed here. The rollouts are the same
+    tokens either way (tests/speculative/test_trie.py, tests/engines/test_batching.py)."""
     runs = []
     for name in ("a", "b"):
         overrides = (
