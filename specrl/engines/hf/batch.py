@@ -18,6 +18,7 @@ from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 from specrl.engines.hf.kv_cache import DecodeCache
 from specrl.engines.protocol import GenRequest
@@ -241,3 +242,55 @@ def _staying(finished: torch.Tensor) -> torch.Tensor:
     keep = torch.arange(len(staying), device=finished.device)
     keep[finished[: len(staying)]] = staying[staying >= len(staying)]
     return keep
+
+
+class Emissions:
+    """What every forward of a decode loop emitted, kept as the forwards left it (on the device)
+    and written into the results once, when the loop ends: per forward the sequences' requests
+    [B], tokens emitted [B], the logprobs [B, K+1] and drawn intervals [B, K+1, 2] of the tokens
+    at the fed columns, the drafts proposed and accepted [B]. Writing each forward's values
+    into per-request lists as they come costs the host a Python step per sequence and forward
+    (1.9 ms a forward at 256 sequences on the built-in task, where the forward took 5 ms);
+    here they go in with one copy to the host per kind."""
+
+    def __init__(self) -> None:
+        self.forwards: list[tuple[torch.Tensor, ...]] = []
+
+    def add(self, requests, emitted, logprobs, intervals, proposed, accepted) -> None:
+        self.forwards.append((requests, emitted, logprobs, intervals, proposed, accepted))
+
+    def write(self, results: Sequence) -> None:
+        """Append to each request's `GenResult` its emitted tokens' logprobs and intervals in the
+        order emitted, and add its forwards and draft tokens proposed and accepted."""
+        if not self.forwards:
+            return
+        width = max(f[2].shape[1] for f in self.forwards)
+        requests, emitted, proposed, accepted = (
+            torch.cat([f[k] for f in self.forwards]) for k in (0, 1, 4, 5)
+        )
+        logprobs = torch.cat([F.pad(f[2], (0, width - f[2].shape[1])) for f in self.forwards])
+        intervals = torch.cat(
+            [F.pad(f[3], (0, 0, 0, width - f[3].shape[1])) for f in self.forwards]
+        )
+        emits = torch.arange(width, device=requests.device)[None] < emitted[:, None]
+        owner = requests[:, None].expand(-1, width)[emits]  # emission order: forward, column
+        order = torch.argsort(owner, stable=True)
+        counts = torch.bincount(owner, minlength=len(results)).tolist()
+        values = logprobs[emits][order].tolist()
+        low, high = intervals[emits][order].T.tolist()  # nested lists build slowly: 2 rows
+        drawn = list(zip(low, high, strict=True))
+        per_request = torch.zeros(3, len(results), dtype=torch.long, device=requests.device)
+        per_request[0].index_add_(0, requests, torch.ones_like(requests))
+        per_request[1].index_add_(0, requests, proposed)
+        per_request[2].index_add_(0, requests, accepted)
+        start = 0
+        for result, n, (forwards, drafts, kept) in zip(
+            results, counts, per_request.T.tolist(), strict=True
+        ):
+            result.logprobs.extend(values[start : start + n])
+            result.intervals.extend(drawn[start : start + n])
+            start += n
+            result.forwards += forwards
+            result.draft_tokens += drafts
+            result.accepted_tokens += kept
+        self.forwards = []

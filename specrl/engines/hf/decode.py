@@ -22,7 +22,7 @@ from torch.nn.utils.rnn import pad_sequence
 from transformers import DynamicCache
 
 from specrl.engines.accounting import ForwardCounts, causal_attended
-from specrl.engines.hf.batch import DecodeBatch
+from specrl.engines.hf.batch import DecodeBatch, Emissions
 from specrl.engines.hf.kv_cache import DecodeCache, layers_kv, merge
 from specrl.engines.hf.prefix_cache import Hit, PrefixCache
 from specrl.engines.hf.static_decode import StaticDecode
@@ -81,6 +81,7 @@ class Decoder:
         eos = torch.tensor(sorted(self.eos_token_ids), device=self.device)
         before = [len(r.token_ids) for r in results]  # a first token drawn from `prefixes`
         accepted_per_sequence = 0.0  # Σ over forwards of draft tokens accepted per sequence
+        emissions = Emissions()
         while True:
             started = time.perf_counter()
             drafts = self._drafts(batch, results, indices)
@@ -98,24 +99,12 @@ class Decoder:
             )
             accepted = _accepted(sampled, fed, proposed)  # [B] draft tokens kept
             emitted, stopped = batch.emit(sampled, accepted, cols, eos)
-            n_proposed, n_accepted = proposed.tolist(), accepted.tolist()
-            for request, n, k, a, new, lps, drawn in zip(
-                batch.requests.tolist(),
-                emitted.tolist(),
-                n_proposed,
-                n_accepted,
-                sampled.tolist(),
-                logprobs.tolist(),
-                intervals.tolist(),
-                strict=True,
+            emissions.add(batch.requests, emitted, logprobs, intervals, proposed, accepted)
+            # the tokens now (drafters read them); their logprobs and intervals at the end
+            for request, n, new in zip(
+                batch.requests.tolist(), emitted.tolist(), sampled.tolist(), strict=True
             ):
-                result = results[request]
-                result.token_ids.extend(new[:n])
-                result.logprobs.extend(lps[:n])
-                result.intervals.extend(map(tuple, drawn[:n]))
-                result.forwards += 1
-                result.draft_tokens += k
-                result.accepted_tokens += a
+                results[request].token_ids.extend(new[:n])
             finished = stopped | (batch.left <= 0)
             for request, was_stopped in zip(
                 batch.requests[finished].tolist(), stopped[finished].tolist(), strict=True
@@ -127,10 +116,12 @@ class Decoder:
             if not done:
                 batch.advance(sampled, accepted, cols, finished)
             if drafter is not None:  # the whole iteration: drafting's host work included
+                n_proposed, n_accepted = proposed.tolist(), accepted.tolist()
                 seconds = time.perf_counter() - started
                 drafter.observe(n_proposed, n_accepted, fed_rows, fed_tokens, seconds)
                 accepted_per_sequence += sum(n_accepted) / len(n_accepted)
             if done:
+                emissions.write(results)
                 if drafter is not None:  # the longest-lived sequence was in every forward
                     forwards = max(results[i].forwards for i in live)
                     longest = max(len(results[i].token_ids) - before[i] for i in live)
