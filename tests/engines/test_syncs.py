@@ -73,7 +73,9 @@ def test_plain_decoding_syncs_per_forward_whatever_the_batch(counted):
     small, large = counted(lambda: decode(4)), counted(lambda: decode(32))
     assert small == large  # the same 10 forwards: not a sync more for 8x the sequences
     syncs, copies = small
-    assert syncs <= 10 * 8 and copies <= 10 * 10  # measured: 65 and 80 over 10 forwards
+    # measured: 68 and 64 over 10 forwards (the tokens' logprobs and intervals leave the device
+    # once, after the last forward: 65 and 100 when they left at every forward)
+    assert syncs <= 10 * 8 and copies <= 10 * 7
 
 
 def test_a_trie_step_syncs_per_forward_not_per_slot_or_node(counted):
