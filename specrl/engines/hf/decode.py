@@ -174,13 +174,14 @@ class Decoder:
         )
         chosen = logprobs.gather(1, tokens[:, None]).squeeze(1)
         requests = list(requests)
+        low, high = intervals.T.tolist()
         for i, token, logprob, drawn in zip(
-            found, tokens.tolist(), chosen.tolist(), intervals.tolist(), strict=True
+            found, tokens.tolist(), chosen.tolist(), zip(low, high, strict=True), strict=True
         ):
             r = requests[i]
             results[i].token_ids.append(token)
             results[i].logprobs.append(logprob)
-            results[i].intervals.append(tuple(drawn))
+            results[i].intervals.append(drawn)
             if token in self.eos_token_ids:
                 results[i].finish_reason = "stop"
                 requests[i] = replace(r, max_new_tokens=0)
