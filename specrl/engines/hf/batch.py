@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from specrl.engines.hf.kv_cache import DecodeCache
-from specrl.engines.protocol import GenRequest
+from specrl.engines.protocol import GenRequest, GenResult
 from specrl.engines.sampling import RowSampling, uniform_table
 
 
@@ -256,10 +256,18 @@ class Emissions:
     def __init__(self) -> None:
         self.forwards: list[tuple[torch.Tensor, ...]] = []
 
-    def add(self, requests, emitted, logprobs, intervals, proposed, accepted) -> None:
+    def add(
+        self,
+        requests: torch.Tensor,
+        emitted: torch.Tensor,
+        logprobs: torch.Tensor,
+        intervals: torch.Tensor,
+        proposed: torch.Tensor,
+        accepted: torch.Tensor,
+    ) -> None:
         self.forwards.append((requests, emitted, logprobs, intervals, proposed, accepted))
 
-    def write(self, results: Sequence) -> None:
+    def write(self, results: Sequence[GenResult]) -> None:
         """Append to each request's `GenResult` its emitted tokens' logprobs and intervals in the
         order emitted, and add its forwards and draft tokens proposed and accepted."""
         if not self.forwards:
