@@ -7,12 +7,12 @@ trie arm's own rollouts replayed offline under other draft sources.
 A reuse step's decode loop runs until its slowest slot is done, so its forwards are that slot's.
 The arm trains on the built-in task (or the overrides' config) for `--steps` steps. At every step
 it records the prompts' token trees as they stood before the walks (what the engine drafts from)
-and, per slot, its prompt, how many tokens its walk reused and its whole response. Under the exact rule a slot's response is the same whatever is drafted, so each
-draft source is replayed on the recorded responses: from the first token its walk did not reuse,
-a forward emits one token plus the leading draft tokens equal to the response's next ones (at
-most K). Per step: the engine's own decode forwards (measured, K adapted per forward, finished
-siblings joining the trees online), and per source and K the slowest slot's forwards and all
-slots' forwards. Sources:
+and, per slot, its prompt, how many tokens its walk reused and its whole response. Under the exact
+rule a slot's response is the same whatever is drafted, so each draft source is replayed on the
+recorded responses: from the first token its walk did not reuse, a forward emits one token plus the
+leading draft tokens equal to the response's next ones (at most K). Per step: the engine's own
+decode forwards (measured, K adapted per forward, finished siblings joining the trees online), and
+per source and K the slowest slot's forwards and all slots' forwards. Sources:
 
 - `tree`: the engine's `Cursor` (the response's path in its prompt's tree, else the most
   frequent longest suffix match; the most frequent children from there);

@@ -66,17 +66,19 @@ def main() -> None:
     host: dict[str, list[tuple[float, float]]] = {name: [] for name in stages}
     for call in range(args.calls):
         for name, stage in stages.items():
-            forwards = engine.counts.seconds
+            forward_s = engine.counts.seconds
             _, stats = stage(prompts, args.slots, (1, call, 0), call)
             engine_s = stats.gen_s + stats.verify_s
-            host[name].append((1000 * (stats.rollout_s - engine_s),
-                               1000 * (engine_s - (engine.counts.seconds - forwards))))  # fmt: skip
-        print(f"call {call}: " + ", ".join(
-            f"{n} {ms[-1][0]:.1f} + {ms[-1][1]:.1f} ms" for n, ms in host.items()))  # fmt: skip
+            engine_host_s = engine_s - (engine.counts.seconds - forward_s)
+            host[name].append((1000 * (stats.rollout_s - engine_s), 1000 * engine_host_s))
+        calls = (f"{n} {ms[-1][0]:.1f} + {ms[-1][1]:.1f} ms" for n, ms in host.items())
+        print(f"call {call}: " + ", ".join(calls))
     for name, ms in host.items():
         stage_ms, engine_ms = (statistics.median(m[k] for m in ms[3:]) for k in (0, 1))
-        print(f"{name}: median {stage_ms:.1f} ms the stage's, {engine_ms:.1f} ms the engine's, "
-              f"over calls 3-{args.calls - 1}")  # fmt: skip
+        print(
+            f"{name}: median {stage_ms:.1f} ms the stage's, {engine_ms:.1f} ms the engine's, "
+            f"over calls 3-{args.calls - 1}"
+        )
 
 
 if __name__ == "__main__":
