@@ -10,9 +10,10 @@
 # arms vanilla and trie with graphs and prompt lookup drafts (rollout.spec.tree.prompt_lookup=3:
 # off by default, measured no faster on the CPU, docs/trees.md). ARMS sets every part's
 # arms (the profile's, after a vanilla bench); GPU_TESTS=0 skips the tests. Each part has its own
-# time limit, so one that fails or runs long leaves the others; what comes back is OUT's logs and
-# one tarball of the benches (bench.json, bench.png, metrics, profiles and logs; no weights or
-# checkpoints).
+# time limit, so one that fails or runs long leaves the others, and none runs past BUDGET_S
+# seconds from the start (default 560: the tarball is written inside a 600 s device call); what
+# comes back is OUT's logs and one tarball of the benches (bench.json, bench.png, metrics,
+# profiles and logs; no weights or checkpoints).
 #
 #   benchmarks/gpu/session.sh [--dry-run] [OUT]      (OUT: default benchmarks/gpu/out, or $OUT)
 #
@@ -40,8 +41,13 @@ fi
   | tee "$out/gpu-tests.log"
 
 part() {  # part NAME SECONDS VAR=VALUE...: run.sh into $work/NAME, its output in $out/NAME.log
-  local name=$1 seconds=$2
+  local name=$1 seconds=$2 left=$((${BUDGET_S:-560} - SECONDS))
   shift 2
+  if [ "$left" -lt "$seconds" ]; then seconds=$left; fi
+  if [ "$seconds" -lt 30 ]; then
+    echo "$name: skipped, ${left} s left of BUDGET_S" | tee -a "$out/parts.txt"
+    return
+  fi
   env SPECRL_CACHE="$work/cache" PROFILE_ARMS= "$@" timeout "$seconds" \
     benchmarks/gpu/run.sh "${dry[@]}" "$work/$name" 2>&1 | tee "$out/$name.log"
   echo "$name: exit ${PIPESTATUS[0]}" | tee -a "$out/parts.txt"
@@ -49,10 +55,10 @@ part() {  # part NAME SECONDS VAR=VALUE...: run.sh into $work/NAME, its output i
 for name in ${PARTS:-graphs-25m graphs-268m}; do
   case $name in
     graphs-25m) part "$name" 220 STATIC_DECODE=1 STEPS=12 TRAIN_SIZE=128 ARMS=${ARMS:-vanilla,trie,tree} ;;
-    eager-25m) part "$name" 110 STEPS=12 TRAIN_SIZE=128 ARMS=${ARMS:-vanilla,trie} ;;
+    eager-25m) part "$name" 130 STEPS=12 TRAIN_SIZE=128 ARMS=${ARMS:-vanilla,trie} ;;
     lookup-25m) part "$name" 150 STATIC_DECODE=1 STEPS=12 TRAIN_SIZE=128 ARMS=${ARMS:-vanilla,trie} \
       EXTRA=rollout.spec.tree.prompt_lookup=3 ;;
-    graphs-268m) part "$name" 200 STATIC_DECODE=1 HIDDEN=1024 LAYERS=16 HEADS=16 SFT_STEPS=400 \
+    graphs-268m) part "$name" 230 STATIC_DECODE=1 HIDDEN=1024 LAYERS=16 HEADS=16 SFT_STEPS=400 \
       SFT_LR=5e-4 STEPS=8 TRAIN_SIZE=64 ARMS=${ARMS:-vanilla,trie} ;;
     # the profile; the bench after it is cut off by the part's limit
     profile-graphs-25m) part "$name" 150 STATIC_DECODE=1 STEPS=12 TRAIN_SIZE=128 ARMS=vanilla \
