@@ -4,6 +4,9 @@ batch and fed width over one arena's columns, with and without drafts. On CUDA e
 forward is a CUDA graph, captured once and replayed: the tests marked gpu (`pytest -m gpu`, where
 a GPU is) compare that path to the eager loop on the same device."""
 
+import contextlib
+import gc
+
 import pytest
 import torch
 
@@ -63,11 +66,12 @@ def test_a_buckets_graph_is_captured_once_and_replayed_in_later_calls(device):
     _, static = engines(init=2.0, device=device)
     static.generate(requests(13, SamplingParams(1.0)))
     arena = static.static.arena
-    captured = {rows: graph for rows, (graph, _) in arena.graphs.items()}
-    assert set(captured) <= {1, 2, 4, 8, 16} and 16 in captured
+    captured = {shape: graph for shape, (graph, _) in arena.graphs.items()}
+    assert {rows for rows, _ in captured} <= {1, 2, 4, 8, 16} and (16, 1) in captured
+    assert {width for _, width in captured} == {1}  # plain decoding feeds one column
     first = static.generate(requests(13, SamplingParams(1.0)))
     assert static.static.arena is arena
-    assert {rows: graph for rows, (graph, _) in arena.graphs.items()} == captured
+    assert {shape: graph for shape, (graph, _) in arena.graphs.items()} == captured
     assert [r.token_ids for r in first] == [
         r.token_ids for r in static.generate(requests(13, SamplingParams(1.0)))
     ]
@@ -92,13 +96,81 @@ def test_every_forward_is_at_a_bucketed_batch_over_one_arena_that_grows_when_nee
     assert all(ids[1] == 1 for ids, _ in decode)
     assert batches <= {1, 2, 4, 8, 16} and 16 in batches and len(batches) > 1  # rows left
     assert len({mask[-1] for _, mask in decode}) == 1  # the same columns every forward
-    assert decode[0][1][-1] % COLUMN_BUCKET == 0
+    assert decode[0][1][-1] == COLUMN_BUCKET  # the columns a power of two, at least the bucket
     arena = static.static.arena
     static.generate(requests(5, SamplingParams(1.0)))
     assert static.static.arena is arena  # a smaller call: the same arena
     static.generate(requests(20, SamplingParams(1.0)))
     assert static.static.arena.rows == 32  # a larger one grows it
     assert [bucket(n) for n in (1, 2, 3, 5, 16, 17)] == [1, 2, 4, 8, 16, 32]
+
+
+def test_the_arena_grows_in_powers_of_two_so_few_calls_replace_it():
+    """On CUDA a new arena captures every graph again (benchmarks/gpu-h200-hf-captures-680f630:
+    a trie arm's reuse steps spent most of their decode time capturing): calls that each need a
+    few more columns than the last replace the arena once per doubling, not once per bucket."""
+    _, static = engines(init=0.3)  # rows mostly stop early: the arena is sized by the budget
+    arenas = []
+    for budget in range(8, 500, 24):
+        static.generate([GenRequest([2, 3, 4], budget, SamplingParams(1.0), seed=budget)])
+        arena = static.static.arena
+        if not arenas or arenas[-1] is not arena:
+            arenas.append(arena)
+    columns = [arena.columns for arena in arenas]
+    assert columns == [64, 128, 256, 512]  # needs of 11 to 491 columns: 21 calls
+
+
+def test_a_capture_pauses_the_cyclic_collector(monkeypatch):
+    """What the graph path's capture runs under, seen on the CPU: no collection can free a dead
+    arena's graphs during it (on an H200 one did, in the bench's cost model check at 680f630:
+    `cudaErrorStreamCaptureInvalidated`)."""
+    collecting = []
+
+    class Graph:
+        def __init__(self, graph, pool):
+            pass
+
+        def __enter__(self):
+            collecting.append(gc.isenabled())
+
+        def __exit__(self, *exc):
+            return False
+
+    class Stream:
+        def __init__(self, device=None):
+            pass
+
+        def wait_stream(self, other):
+            pass
+
+    monkeypatch.setattr(torch.cuda, "graph", Graph)
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", lambda: None)
+    monkeypatch.setattr(torch.cuda, "Stream", Stream)
+    monkeypatch.setattr(torch.cuda, "current_stream", Stream)
+    monkeypatch.setattr(torch.cuda, "stream", lambda stream: contextlib.nullcontext())
+    monkeypatch.setattr(Arena, "_run", lambda self, model, rows, width: torch.zeros(rows, width))
+    arena = Arena([torch.zeros(1, 1, 1, 1)] * 2, rows=1, columns=1, width=1)
+    assert gc.isenabled()
+    Arena._capture(arena, None, 1, 1)
+    assert collecting == [False] and gc.isenabled()
+
+
+@pytest.mark.parametrize("device", [CUDA])
+def test_graphs_are_captured_while_dead_arenas_wait_for_the_collector(device):
+    """Calls that grow the arena leave its old graphs in a reference cycle; with the collector
+    run at every allocation, the next captures still succeed and sample the eager loop's tokens."""
+    eager, static = engines(init=0.3, device=device)
+    thresholds = gc.get_threshold()
+    gc.set_threshold(1, 1, 1)
+    try:
+        for budget in (8, 80, 200):
+            batch = [
+                GenRequest(r.prompt_ids, budget, r.sampling, seed=r.seed)
+                for r in requests(13, SamplingParams(1.0))
+            ]
+            assert_same(eager.generate(batch), static.generate(batch))
+    finally:
+        gc.set_threshold(*thresholds)
 
 
 @pytest.mark.parametrize("device", ["cpu", CUDA])

@@ -6,8 +6,9 @@ The eager decode loop (decode.py) narrows its KV cache as rows finish and drops 
 row attends to, so its forwards change shape as they go; on a GPU a small model's decode forward
 is then bound by the host launching its kernels one by one. Here a decode call's KV lives in an
 `Arena`: buffers [rows, kv heads, columns, head dim] per layer, `rows` the largest batch so far
-rounded up to a power of two and `columns` the most any call has needed rounded up to
-`COLUMN_BUCKET`: one arena, replaced by a larger one when a call needs more. A forward feeds the
+rounded up to a power of two and `columns` the most any call has needed rounded up to a power
+of two (at least `COLUMN_BUCKET`): one arena, replaced by a larger one when a call needs more (on
+CUDA its graphs are then all captured again, so the sizes grow in powers). A forward feeds the
 live rows padded to the next power of two (idle rows feed the pad token at position 0 and attend
 to column 0; their outputs are dropped), each row its token and, with a drafter, its K draft
 tokens, the fed width padded to a width bucket (the padding columns attend as the last real one
@@ -23,8 +24,9 @@ and budget, plus a spare fed width (the decode loop compacts before the columns 
 its longest row attends to).
 
 On CUDA the forward of each (batch bucket, width bucket) is captured after two warm-up runs on a
-side stream (the runs write the same KV the step writes) and replayed for every later forward of
-that shape, in this call and in later calls.
+side stream (the runs write the same KV the step writes), with Python's cyclic collector paused
+(it may free a dead arena's graphs, which CUDA forbids during a capture), and replayed for every
+later forward of that shape, in this call and in later calls.
 
 The tokens are the eager loop's: the same uniforms and logits over the same attended columns,
 the masked ones adding exact zeros (float sums over a wider row may round differently in the last
@@ -36,6 +38,7 @@ forward of the 25M toy policy took 1.4-1.9 ms as a graph, 8.3-8.7 ms eager
 
 from __future__ import annotations
 
+import gc
 import time
 
 import torch
@@ -121,8 +124,16 @@ class Arena:
                 self._run(model, rows, width)
         torch.cuda.current_stream(self.device).wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
-            logits = self._run(model, rows, width)
+        collecting = gc.isenabled()
+        # A graph freed during a capture invalidates it (CUDA forbids the destroy): the cyclic
+        # collector, run by the forward's allocations, would free the graphs of dead arenas
+        gc.disable()
+        try:
+            with torch.cuda.graph(graph, pool=self.pool):
+                logits = self._run(model, rows, width)
+        finally:
+            if collecting:
+                gc.enable()
         return graph, logits
 
 
@@ -202,7 +213,7 @@ class StaticDecode:
         needed = context + max_new_tokens
         if width > 1:  # rejected drafts' columns stay until the loop compacts them
             needed = 2 * needed + 32 + width
-        columns = -(-needed // COLUMN_BUCKET) * COLUMN_BUCKET
+        columns = max(bucket(needed), COLUMN_BUCKET)  # a new arena captures every graph again
         arena = self.arena
         if arena is None or not arena.fits(kv, bucket(rows), columns, width):
             size = (bucket(rows), columns, width)
