@@ -1,0 +1,87 @@
+"""The CUDA graphs a static-decode run would capture, counted on the CPU: a run of `specrl train`
+with `rollout.static_decode=true`, counting per step the arenas built (on CUDA each one captures
+every graph again), the (rows, fed width) shapes first fed to each arena (one capture each on
+CUDA: two warm-up forwards and the capture) and the decode forwards.
+
+    python benchmarks/graph_captures.py --out FILE [CONFIG OVERRIDES...]
+
+On the CPU the arena is run eagerly, so what it counts is the shapes, not their cost; on an H200
+a trie arm's reuse steps spent most of their decode time capturing
+(benchmarks/gpu-h200-hf-captures-680f630).
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import os
+import sys
+from pathlib import Path
+
+from specrl import trainer
+from specrl.cli import main as specrl_main
+from specrl.engines.hf import static_decode
+
+
+def count(overrides: list[str]) -> dict:
+    events: list[tuple] = []
+    shapes: dict[int, set[tuple[int, int]]] = collections.defaultdict(set)
+    init, logits, begin_step = (
+        static_decode.Arena.__init__,
+        static_decode.Arena.logits,
+        trainer.Trainer.begin_step,
+    )
+
+    def counted_init(self, like, rows, columns, width):
+        init(self, like, rows, columns, width)
+        events.append(("arenas", (rows, columns, width)))
+
+    def counted_logits(self, model, rows, width):
+        if (rows, width) not in shapes[id(self)]:
+            shapes[id(self)].add((rows, width))
+            events.append(("captures", (rows, width)))
+        events.append(("forwards", None))
+        return logits(self, model, rows, width)
+
+    def marked_step(self):
+        events.append(("step", None))
+        return begin_step(self)
+
+    static_decode.Arena.__init__ = counted_init
+    static_decode.Arena.logits = counted_logits
+    trainer.Trainer.begin_step = marked_step
+    try:
+        specrl_main(["train", "rollout.static_decode=true", *overrides])
+    finally:
+        static_decode.Arena.__init__, static_decode.Arena.logits = init, logits
+        trainer.Trainer.begin_step = begin_step
+    steps: list[collections.Counter] = [collections.Counter()]  # [0]: before the first step
+    for kind, _ in events:
+        if kind == "step":
+            steps.append(collections.Counter())
+        else:
+            steps[-1][kind] += 1
+    kinds = ("arenas", "captures", "forwards")
+    return {
+        "steps": [{"step": i, **{k: c[k] for k in kinds}} for i, c in enumerate(steps)],
+        "totals": {k: sum(c[k] for c in steps) for k in kinds},
+        "arenas": [list(shape) for kind, shape in events if kind == "arenas"],
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", type=Path, required=True)
+    args, overrides = parser.parse_known_args()
+    result = {"command": " ".join(sys.argv), "load_average_at_start": os.getloadavg()}
+    result |= count(overrides)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=1) + "\n")
+    for row in result["steps"]:
+        print(row)
+    print("totals", result["totals"], "arenas", result["arenas"])
+
+
+if __name__ == "__main__":
+    main()
