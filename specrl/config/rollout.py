@@ -194,8 +194,9 @@ class RolloutConfig(Section):
         False,
         description="hf: decode forwards (drafts included) over a preallocated KV cache at "
         "bucketed batch sizes and fed widths, on CUDA replayed as CUDA graphs (the same tokens; "
-        "5x faster plain forwards on an H200, but trie reuse steps there were 0.77-0.80x "
-        "vanilla's before the tails' drafts ran as graphs: benchmarks/gpu-h200-hf-trie-hindsight)",
+        "2-4x faster plain forwards on an H200, but trie reuse steps there were 0.86-0.99x "
+        "vanilla's, spent capturing a graph per new shape; eager, 2.8x: "
+        "benchmarks/gpu-h200-hf-captures-680f630)",
     )
     spec: SpecConfig = Field(default_factory=SpecConfig)
     multi_turn: MultiTurnConfig = Field(default_factory=MultiTurnConfig)
