@@ -4,16 +4,16 @@
 # drafts), then benchmarks/gpu/run.sh with rollout.static_decode (CUDA graphs) on the default 25M
 # policy, arms vanilla, trie and tree (the trie arm's tails and the tree arm decode with tree
 # drafts, as graphs since c54416f), and on the 268M policy, arms vanilla and trie. PARTS picks
-# the parts, in order (default "graphs-25m graphs-268m"); eager-25m runs the 25M arms vanilla and
-# trie without graphs; profile-graphs-25m profiles a plain and a reuse step of each arm with
-# graphs (benchmarks/profile_steps.py; the bench after it is cut off); lookup-25m runs the 25M
-# arms vanilla and trie with graphs and prompt lookup drafts (rollout.spec.tree.prompt_lookup=3:
-# off by default, measured no faster on the CPU, docs/trees.md). ARMS sets every part's
-# arms (the profile's, after a vanilla bench); GPU_TESTS=0 skips the tests. Each part has its own
-# time limit, so one that fails or runs long leaves the others, and none runs past BUDGET_S
-# seconds from the start (default 560: the tarball is written inside a 600 s device call); what
-# comes back is OUT's logs and one tarball of the benches (bench.json, bench.png, metrics,
-# profiles and logs; no weights or checkpoints).
+# the parts, in order (default "graphs-25m graphs-268m"); eager-25m and eager-268m run the arms
+# vanilla and trie without graphs; profile-graphs-25m profiles a plain and a reuse step of each
+# arm with graphs (benchmarks/profile_steps.py; the bench after it is cut off); lookup-25m runs
+# the 25M arms vanilla and trie with graphs and prompt lookup drafts
+# (rollout.spec.tree.prompt_lookup=3: off by default, measured no faster on the CPU,
+# docs/trees.md). ARMS sets every part's arms (the profile's, after a vanilla bench);
+# GPU_TESTS=0 skips the tests. Each part has its own time limit, so one that fails or runs long
+# leaves the others, and none runs past BUDGET_S seconds from the start (default 560: the
+# tarball is written inside a 600 s device call); what comes back is OUT's logs and one tarball
+# of the benches (bench.json, bench.png, metrics, profiles and logs; no weights or checkpoints).
 #
 #   benchmarks/gpu/session.sh [--dry-run] [OUT]      (OUT: default benchmarks/gpu/out, or $OUT)
 #
@@ -60,6 +60,8 @@ for name in ${PARTS:-graphs-25m graphs-268m}; do
       EXTRA=rollout.spec.tree.prompt_lookup=3 ;;
     graphs-268m) part "$name" 230 STATIC_DECODE=1 HIDDEN=1024 LAYERS=16 HEADS=16 SFT_STEPS=400 \
       SFT_LR=5e-4 STEPS=8 TRAIN_SIZE=64 ARMS=${ARMS:-vanilla,trie} ;;
+    eager-268m) part "$name" 200 HIDDEN=1024 LAYERS=16 HEADS=16 SFT_STEPS=400 SFT_LR=5e-4 \
+      STEPS=8 TRAIN_SIZE=64 ARMS=${ARMS:-vanilla,trie} ;;
     # the profile; the bench after it is cut off by the part's limit
     profile-graphs-25m) part "$name" 150 STATIC_DECODE=1 STEPS=12 TRAIN_SIZE=128 ARMS=vanilla \
       PROFILE_ARMS=${ARMS:-vanilla,trie} ;;
