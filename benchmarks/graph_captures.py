@@ -1,7 +1,8 @@
 """The CUDA graphs a static-decode run would capture, counted on the CPU: a run of `specrl train`
 with `rollout.static_decode=true`, counting per step the arenas built (on CUDA each one captures
 every graph again), the (rows, fed width) shapes first fed to each arena (one capture each on
-CUDA: two warm-up forwards and the capture) and the decode forwards.
+CUDA: two warm-up forwards and the capture) and the decode forwards, and over the run how many
+forwards each captured shape served (`uses`: shapes by their count of forwards, per arena).
 
     python benchmarks/graph_captures.py --out FILE [CONFIG OVERRIDES...]
 
@@ -26,7 +27,7 @@ from specrl.engines.hf import static_decode
 
 def count(overrides: list[str]) -> dict:
     events: list[tuple] = []
-    shapes: dict[int, set[tuple[int, int]]] = collections.defaultdict(set)
+    shapes: dict[int, collections.Counter] = collections.defaultdict(collections.Counter)
     init, logits, begin_step = (
         static_decode.Arena.__init__,
         static_decode.Arena.logits,
@@ -39,8 +40,8 @@ def count(overrides: list[str]) -> dict:
 
     def counted_logits(self, model, rows, width):
         if (rows, width) not in shapes[id(self)]:
-            shapes[id(self)].add((rows, width))
             events.append(("captures", (rows, width)))
+        shapes[id(self)][rows, width] += 1
         events.append(("forwards", None))
         return logits(self, model, rows, width)
 
@@ -67,6 +68,7 @@ def count(overrides: list[str]) -> dict:
         "steps": [{"step": i, **{k: c[k] for k in kinds}} for i, c in enumerate(steps)],
         "totals": {k: sum(c[k] for c in steps) for k in kinds},
         "arenas": [list(shape) for kind, shape in events if kind == "arenas"],
+        "uses": [dict(sorted(collections.Counter(c.values()).items())) for c in shapes.values()],
     }
 
 
@@ -81,6 +83,7 @@ def main() -> None:
     for row in result["steps"]:
         print(row)
     print("totals", result["totals"], "arenas", result["arenas"])
+    print("captured shapes by forwards served, per arena", result["uses"])
 
 
 if __name__ == "__main__":

@@ -120,21 +120,19 @@ def test_the_arena_grows_in_powers_of_two_so_few_calls_replace_it():
     assert columns == [64, 128, 256, 512]  # needs of 11 to 491 columns: 21 calls
 
 
-def test_a_capture_pauses_the_cyclic_collector(monkeypatch):
+def test_a_capture_pauses_the_cyclic_collector_and_leaves_the_allocators_cache(monkeypatch):
     """What the graph path's capture runs under, seen on the CPU: no collection can free a dead
     arena's graphs during it (on an H200 one did, in the bench's cost model check at 680f630:
-    `cudaErrorStreamCaptureInvalidated`)."""
-    collecting = []
+    `cudaErrorStreamCaptureInvalidated`), and the allocator's cache is not emptied for it (most
+    of a capture's time there)."""
+    seen = []
 
     class Graph:
-        def __init__(self, graph, pool):
-            pass
+        def capture_begin(self, pool=None):
+            seen.append(("begin", gc.isenabled()))
 
-        def __enter__(self):
-            collecting.append(gc.isenabled())
-
-        def __exit__(self, *exc):
-            return False
+        def capture_end(self):
+            seen.append(("end", gc.isenabled()))
 
     class Stream:
         def __init__(self, device=None):
@@ -143,16 +141,17 @@ def test_a_capture_pauses_the_cyclic_collector(monkeypatch):
         def wait_stream(self, other):
             pass
 
-    monkeypatch.setattr(torch.cuda, "graph", Graph)
-    monkeypatch.setattr(torch.cuda, "CUDAGraph", lambda: None)
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", Graph)
     monkeypatch.setattr(torch.cuda, "Stream", Stream)
     monkeypatch.setattr(torch.cuda, "current_stream", Stream)
     monkeypatch.setattr(torch.cuda, "stream", lambda stream: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: seen.append("emptied"))
     monkeypatch.setattr(Arena, "_run", lambda self, model, rows, width: torch.zeros(rows, width))
     arena = Arena([torch.zeros(1, 1, 1, 1)] * 2, rows=1, columns=1, width=1)
     assert gc.isenabled()
-    Arena._capture(arena, None, 1, 1)
-    assert collecting == [False] and gc.isenabled()
+    graph, logits = Arena._capture(arena, None, 1, 1)
+    assert seen == [("begin", False), ("end", False)] and gc.isenabled()
+    assert isinstance(graph, Graph) and logits.shape == (1, 1)
 
 
 @pytest.mark.parametrize("device", [CUDA])

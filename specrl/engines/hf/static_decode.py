@@ -24,9 +24,10 @@ and budget, plus a spare fed width (the decode loop compacts before the columns 
 its longest row attends to).
 
 On CUDA the forward of each (batch bucket, width bucket) is captured after two warm-up runs on a
-side stream (the runs write the same KV the step writes), with Python's cyclic collector paused
-(it may free a dead arena's graphs, which CUDA forbids during a capture), and replayed for every
-later forward of that shape, in this call and in later calls.
+side stream (the runs write the same KV the step writes), on that stream, with Python's cyclic
+collector paused (it may free a dead arena's graphs, which CUDA forbids during a capture) and
+without `torch.cuda.graph`'s device synchronize and emptied allocator cache, and replayed for
+every later forward of that shape, in this call and in later calls.
 
 The tokens are the eager loop's: the same uniforms and logits over the same attended columns,
 the masked ones adding exact zeros (float sums over a wider row may round differently in the last
@@ -119,21 +120,27 @@ class Arena:
     ) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
         stream = torch.cuda.Stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(stream):
-            for _ in range(2):  # warm-up: kernels chosen, workspaces allocated
-                self._run(model, rows, width)
-        torch.cuda.current_stream(self.device).wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         collecting = gc.isenabled()
         # A graph freed during a capture invalidates it (CUDA forbids the destroy): the cyclic
         # collector, run by the forward's allocations, would free the graphs of dead arenas
         gc.disable()
         try:
-            with torch.cuda.graph(graph, pool=self.pool):
-                logits = self._run(model, rows, width)
+            with torch.cuda.stream(stream):
+                for _ in range(2):  # warm-up: kernels chosen, workspaces allocated
+                    self._run(model, rows, width)
+                # not `torch.cuda.graph`, which first synchronizes the device and empties the
+                # allocator's cache: 30 of a capture's 43 ms on an H200, every later allocation
+                # a cudaMalloc again (benchmarks/gpu-h200-hf-captures-680f630)
+                graph.capture_begin(pool=self.pool)
+                try:
+                    logits = self._run(model, rows, width)
+                finally:
+                    graph.capture_end()
         finally:
             if collecting:
                 gc.enable()
+        torch.cuda.current_stream(self.device).wait_stream(stream)
         return graph, logits
 
 
