@@ -130,8 +130,9 @@ class Arena:
                 for _ in range(2):  # warm-up: kernels chosen, workspaces allocated
                     self._run(model, rows, width)
                 # not `torch.cuda.graph`, which first synchronizes the device and empties the
-                # allocator's cache: 30 of a capture's 43 ms on an H200, every later allocation
-                # a cudaMalloc again (benchmarks/gpu-h200-hf-captures-680f630)
+                # allocator's cache: its entry took 30 of a capture's 43 ms on an H200 (the wait
+                # for the warm-ups included), and the allocations after it were cudaMallocs
+                # again (benchmarks/gpu-h200-hf-captures-680f630)
                 graph.capture_begin(pool=self.pool)
                 try:
                     logits = self._run(model, rows, width)
