@@ -120,6 +120,8 @@ def machine_check(arms: dict[str, Steps], shape: ModelShape, device: Device) -> 
         out["arms"][arm] = {
             "compared": "forwards" if forwards else "engine calls",
             "measured_s": measured,
+            "graph_captures": sum(counts.decode_captures for counts, _, _ in steps),
+            "capture_s": sum(counts.decode_capture_seconds for counts, _, _ in steps),
             "predicted_s": predicted,
             "residual": residual,
             "within_tolerance": abs(residual) <= CHECK_TOLERANCE,
@@ -197,9 +199,14 @@ def priced_window_lines(windows: dict[str, list[dict[str, Any]]]) -> list[str]:
 def check_lines(check: dict[str, Any]) -> list[str]:
     """`machine_check`'s result, a line per arm."""
     return [
-        f"{arm}: {c.get('compared', 'engine calls')} measured {c['measured_s']:.1f} s, predicted "
-        f"{c['predicted_s']:.1f} s ({c['residual']:+.1%}); host work {c.get('engine_host_s', 0):.1f} s "
-        f"in engine calls, {c['host_s']:.1f} s around them"
+        f"{arm}: {c.get('compared', 'engine calls')} measured {c['measured_s']:.1f} s"
+        + (
+            f" (CUDA graph captures: {c['graph_captures']}, {c['capture_s']:.1f} s of them, unpriced)"
+            if c.get("graph_captures")
+            else ""
+        )
+        + f", predicted {c['predicted_s']:.1f} s ({c['residual']:+.1%}); host work "
+        f"{c.get('engine_host_s', 0):.1f} s in engine calls, {c['host_s']:.1f} s around them"
         for arm, c in check["arms"].items()
     ]
 

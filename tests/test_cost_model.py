@@ -19,7 +19,7 @@ from specrl.cost_model import (
 )
 from specrl.engines.accounting import KINDS, ForwardCounts
 from specrl.errors import UserError
-from specrl.projection import checked_device, machine_check, priced_windows
+from specrl.projection import check_lines, checked_device, machine_check, priced_windows
 from tests.conftest import read_metrics, small_config
 
 
@@ -149,6 +149,14 @@ def test_windows_are_priced_by_the_work_counted_not_the_seconds_measured():
     check = machine_check({"vanilla": vanilla}, shape, machine)
     assert checked_device(check) == replace(machine, name="this machine", overlap=False,
                                             source=check["calibrated_on"])  # fmt: skip
+    assert "captures" not in check_lines(check)[0]
+    captured = [step(60, 2.0)]
+    captured[0][0].add_capture(0.5)  # a graph captured in the forwards' 2.0 s
+    check = machine_check({"graphs": captured}, shape, machine)
+    assert (check["arms"]["graphs"]["graph_captures"], check["arms"]["graphs"]["capture_s"]) == (
+        1, 0.5,
+    )  # fmt: skip
+    assert "(CUDA graph captures: 1, 0.5 s of them, unpriced)" in check_lines(check)[0]
 
 
 def test_stretched_responses_scale_decoding_and_keep_prefills():

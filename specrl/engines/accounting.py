@@ -16,7 +16,11 @@ grew over a call in its `RolloutStats`, logged per step as `perf/<kind>/<quantit
   the wall seconds
   inside the kind's forwards as the engine timed them, synchronised on a GPU: what the cost
   model prices, apart from the engine's host work around them (0 on vLLM, which runs its
-  forwards inside its own steps).
+  forwards inside its own steps);
+- with static decoding on CUDA, `perf/decode/captures`: the CUDA graphs captured, and
+  `timing_s/capture/decode`: the seconds their captures took, within the decode seconds (a
+  capture runs the forward three times and records it once; a replay is what the cost model
+  prices).
 
 The transformers engine counts its own forwards exactly. vLLM schedules internally: its
 forwards are the engine steps, and the positions and KV reads are derived from the requests
@@ -59,6 +63,8 @@ class ForwardCounts:
     prefill_seconds: float = 0.0
     decode_seconds: float = 0.0
     verify_seconds: float = 0.0
+    decode_captures: int = 0
+    decode_capture_seconds: float = 0.0
 
     def record(
         self,
@@ -97,6 +103,12 @@ class ForwardCounts:
             raise ValueError(f"forward kind {kind!r} is none of {KINDS}")
         name = f"{kind}_seconds"
         setattr(self, name, getattr(self, name) + seconds)
+
+    def add_capture(self, seconds: float) -> None:
+        """Count a CUDA graph captured for a decode forward, in `seconds` (which that forward's
+        seconds include)."""
+        self.decode_captures += 1
+        self.decode_capture_seconds += seconds
 
     def as_computed(self) -> ForwardCounts:
         """These counts with the positions and KV reads the engine computed, padding included
@@ -154,6 +166,8 @@ def metric_name(field_name: str) -> str:
     kind, quantity = field_name.split("_", 1)
     if quantity == "seconds":
         return f"timing_s/forward/{kind}"
+    if quantity == "capture_seconds":
+        return f"timing_s/capture/{kind}"
     return f"perf/{kind}/{quantity}"
 
 

@@ -154,6 +154,39 @@ def test_a_capture_pauses_the_cyclic_collector_and_leaves_the_allocators_cache(m
     assert isinstance(graph, Graph) and logits.shape == (1, 1)
 
 
+def test_captures_are_counted_and_timed_apart_from_replays(monkeypatch):
+    """The graph path's bookkeeping with a graph emulated on the CPU (the capture runs the
+    forward, a replay runs it again into the captured output): each (rows, fed width) shape is
+    captured once per arena, counted under perf/decode/captures with its seconds within the
+    decode seconds, and the tokens stay the eager loop's."""
+
+    class Graph:
+        def __init__(self, replay):
+            self.replay = replay
+
+    def capture(self, model, rows, width):
+        logits = self._run(model, rows, width)
+        return Graph(lambda: logits.copy_(self._run(model, rows, width))), logits
+
+    def with_pool(self, *args):
+        init(self, *args)
+        self.pool = object()  # as on CUDA: forwards are captured, then replayed
+
+    init = Arena.__init__
+    monkeypatch.setattr(Arena, "__init__", with_pool)
+    monkeypatch.setattr(Arena, "_capture", capture)
+    eager, static = engines(init=0.3)
+    batch = requests(13, SamplingParams(1.0))
+    assert_same(eager.generate(batch), static.generate(batch))
+    counts, shapes = static.counts, set(static.static.arena.graphs)
+    assert counts.decode_captures == len(shapes) > 1
+    assert 0 < counts.decode_capture_seconds < counts.decode_seconds
+    assert_same(eager.generate(batch), static.generate(batch))  # replayed, none captured again
+    metrics = static.counts.metrics()
+    assert metrics["perf/decode/captures"] == len(shapes)
+    assert metrics["timing_s/capture/decode"] == counts.decode_capture_seconds
+
+
 @pytest.mark.parametrize("device", [CUDA])
 def test_graphs_are_captured_while_dead_arenas_wait_for_the_collector(device):
     """Calls that grow the arena leave its old graphs in a reference cycle; with the collector

@@ -94,13 +94,20 @@ class Arena:
         at most the arena's width."""
         return min(bucket(width), self.width)
 
+    def uncaptured(self, rows: int, width: int) -> bool:
+        """Whether a forward of this shape needs its graph captured first (CUDA only)."""
+        return self.pool is not None and (rows, width) not in self.graphs
+
+    def capture(self, model: PreTrainedModel, rows: int, width: int) -> None:
+        """Capture the graph of the forward of `rows` rows and `width` fed columns."""
+        self.graphs[rows, width] = self._capture(model, rows, width)
+
     def logits(self, model: PreTrainedModel, rows: int, width: int) -> torch.Tensor:
         """The forward of the first `rows` rows and `width` fed columns of the static inputs:
-        logits [rows, width, V] (on CUDA a graph's output, valid until its next replay)."""
+        logits [rows, width, V] (on CUDA its captured graph's output, valid until its next
+        replay)."""
         if self.pool is None:
             return self._run(model, rows, width)
-        if (rows, width) not in self.graphs:
-            self.graphs[rows, width] = self._capture(model, rows, width)
         graph, logits = self.graphs[rows, width]
         graph.replay()
         return logits
@@ -268,6 +275,10 @@ class StaticDecode:
         bias[:live, fed:width] = bias[:live, fed - 1 : fed]  # padding attends as the last fed
         bias[live:, :, 0] = 0.0  # idle rows attend to one column: no row is all masked
         torch.add(steps[: arena.width], context, out=arena.fed)
+        if arena.uncaptured(rows, width):
+            capture_started = time.perf_counter()
+            arena.capture(self.model, rows, width)
+            self.counts.add_capture(time.perf_counter() - capture_started)
         logits = arena.logits(self.model, rows, width)[:live, :fed]
         if logits.is_cuda:
             torch.cuda.synchronize(logits.device)
