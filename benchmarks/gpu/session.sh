@@ -3,10 +3,12 @@
 # 10 minutes): the tests marked gpu (CUDA graphs against the eager loop, with and without
 # drafts), then benchmarks/gpu/run.sh with rollout.static_decode (CUDA graphs) on the default 25M
 # policy, arms vanilla, trie and tree (the trie arm's tails and the tree arm decode with tree
-# drafts, as graphs since c54416f), and on the 268M policy, arms vanilla and trie. PARTS picks
-# the parts, in order (default "graphs-25m graphs-268m"); eager-25m and eager-268m run the arms
-# vanilla and trie without graphs; profile-graphs-25m profiles a plain and a reuse step of each
-# arm with graphs (benchmarks/profile_steps.py; the bench after it is cut off); lookup-25m runs
+# drafts, as graphs since c54416f), and on the 268M policy, arms vanilla and trie; then both
+# sizes' arms vanilla and trie without graphs (eager-25m, eager-268m; the policies from the
+# cache; on an H200 at 680f630 the first three took 370 s with the tests, eager-268m alone 165 s
+# with its policy built). PARTS picks the parts, in order (default "graphs-25m graphs-268m
+# eager-25m eager-268m"); profile-graphs-25m profiles a plain and a reuse step of each arm with
+# graphs (benchmarks/profile_steps.py; the bench after it is cut off); lookup-25m runs
 # the 25M arms vanilla and trie with graphs and prompt lookup drafts
 # (rollout.spec.tree.prompt_lookup=3: off by default, measured no faster on the CPU,
 # docs/trees.md). ARMS sets every part's arms (the profile's, after a vanilla bench);
@@ -52,7 +54,7 @@ part() {  # part NAME SECONDS VAR=VALUE...: run.sh into $work/NAME, its output i
     benchmarks/gpu/run.sh "${dry[@]}" "$work/$name" 2>&1 | tee "$out/$name.log"
   echo "$name: exit ${PIPESTATUS[0]}" | tee -a "$out/parts.txt"
 }
-for name in ${PARTS:-graphs-25m graphs-268m}; do
+for name in ${PARTS:-graphs-25m graphs-268m eager-25m eager-268m}; do
   case $name in
     graphs-25m) part "$name" 220 STATIC_DECODE=1 STEPS=12 TRAIN_SIZE=128 ARMS=${ARMS:-vanilla,trie,tree} ;;
     eager-25m) part "$name" 130 STEPS=12 TRAIN_SIZE=128 ARMS=${ARMS:-vanilla,trie} ;;
