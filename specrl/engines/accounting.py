@@ -19,8 +19,8 @@ grew over a call in its `RolloutStats`, logged per step as `perf/<kind>/<quantit
   forwards inside its own steps);
 - with static decoding on CUDA, `perf/decode/captures`: the CUDA graphs captured, and
   `timing_s/capture/decode`: the seconds their captures took, within the decode seconds (a
-  capture runs the forward three times and records it once; a replay is what the cost model
-  prices).
+  capture runs the forward twice and records it a third time; a replay is what the cost
+  model prices).
 
 The transformers engine counts its own forwards exactly. vLLM schedules internally: its
 forwards are the engine steps, and the positions and KV reads are derived from the requests

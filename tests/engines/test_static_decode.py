@@ -149,8 +149,9 @@ def test_a_capture_pauses_the_cyclic_collector_and_leaves_the_allocators_cache(m
     monkeypatch.setattr(Arena, "_run", lambda self, model, rows, width: torch.zeros(rows, width))
     arena = Arena([torch.zeros(1, 1, 1, 1)] * 2, rows=1, columns=1, width=1)
     assert gc.isenabled()
-    graph, logits = Arena._capture(arena, None, 1, 1)
+    arena.capture(None, 1, 1)
     assert seen == [("begin", False), ("end", False)] and gc.isenabled()
+    graph, logits = arena.graphs[1, 1]
     assert isinstance(graph, Graph) and logits.shape == (1, 1)
 
 
@@ -166,7 +167,10 @@ def test_captures_are_counted_and_timed_apart_from_replays(monkeypatch):
 
     def capture(self, model, rows, width):
         logits = self._run(model, rows, width)
-        return Graph(lambda: logits.copy_(self._run(model, rows, width))), logits
+        self.graphs[rows, width] = (
+            Graph(lambda: logits.copy_(self._run(model, rows, width))),
+            logits,
+        )
 
     def with_pool(self, *args):
         init(self, *args)
@@ -174,7 +178,7 @@ def test_captures_are_counted_and_timed_apart_from_replays(monkeypatch):
 
     init = Arena.__init__
     monkeypatch.setattr(Arena, "__init__", with_pool)
-    monkeypatch.setattr(Arena, "_capture", capture)
+    monkeypatch.setattr(Arena, "capture", capture)
     eager, static = engines(init=0.3)
     batch = requests(13, SamplingParams(1.0))
     assert_same(eager.generate(batch), static.generate(batch))

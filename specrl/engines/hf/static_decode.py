@@ -98,10 +98,6 @@ class Arena:
         """Whether a forward of this shape needs its graph captured first (CUDA only)."""
         return self.pool is not None and (rows, width) not in self.graphs
 
-    def capture(self, model: PreTrainedModel, rows: int, width: int) -> None:
-        """Capture the graph of the forward of `rows` rows and `width` fed columns."""
-        self.graphs[rows, width] = self._capture(model, rows, width)
-
     def logits(self, model: PreTrainedModel, rows: int, width: int) -> torch.Tensor:
         """The forward of the first `rows` rows and `width` fed columns of the static inputs:
         logits [rows, width, V] (on CUDA its captured graph's output, valid until its next
@@ -122,9 +118,8 @@ class Arena:
                 use_cache=True,
             ).logits
 
-    def _capture(
-        self, model: PreTrainedModel, rows: int, width: int
-    ) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+    def capture(self, model: PreTrainedModel, rows: int, width: int) -> None:
+        """Capture the graph of the forward of `rows` rows and `width` fed columns."""
         stream = torch.cuda.Stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
         graph = torch.cuda.CUDAGraph()
@@ -149,7 +144,7 @@ class Arena:
             if collecting:
                 gc.enable()
         torch.cuda.current_stream(self.device).wait_stream(stream)
-        return graph, logits
+        self.graphs[rows, width] = graph, logits
 
 
 class StaticKV(DecodeCache):
