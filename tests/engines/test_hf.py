@@ -243,6 +243,24 @@ def test_a_prompts_slots_share_one_prefill(engine, tiny_model):
 
 
 @pytest.mark.parametrize("drafted", [False, True], ids=["plain", "drafts"])
+def test_a_decode_call_writes_its_cache_where_the_prefill_put_it(tiny_model, drafted):
+    """The cache a decode call starts from has room for every column it writes, its accepted
+    drafts' included: it is never copied into a larger one, however long the responses (on the
+    CPU a new buffer's memory faulted in and the copy took 10% of a call's time). Rejected
+    drafts' columns may still outgrow it."""
+    engine = HFEngine(tiny_model, eos_token_ids=[], pad_token_id=PAD)  # every slot runs to 48
+    requests = [GenRequest(p, 48, SamplingParams(1.0), seed=i) for i, p in enumerate(PROMPTS)]
+    references = [r.token_ids for r in engine.generate(requests)]
+    with mock.patch("specrl.engines.hf.kv_cache._grown", side_effect=AssertionError("grown")):
+        if drafted:
+            results = engine.generate_with_drafts(requests, drafting(references))
+        else:
+            results = engine.generate(requests)
+    assert [r.token_ids for r in results] == references
+    assert all(len(r) == 48 for r in references)
+
+
+@pytest.mark.parametrize("drafted", [False, True], ids=["plain", "drafts"])
 def test_sequences_of_one_context_share_a_decode_row_until_they_part(drafted):
     """A peaked policy's slots of one prompt draw the same tokens for a while: they are fed as
     one row, copied where they draw different tokens (or accept different drafts); each

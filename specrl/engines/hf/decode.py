@@ -68,11 +68,13 @@ class Decoder:
         if not live:
             return results
         contexts = [list(requests[i].prompt_ids) + list(requests[i].prefix_ids) for i in live]
-        cache, attention = self._prefill(contexts)
+        most = max(requests[i].max_new_tokens for i in live)
+        width = 1 if drafter is None else drafter.max_tokens + 1
+        # room for the columns decoding writes (the context's last token, every new token but the
+        # last, the last forward's drafts), so that the cache is not copied as it grows
+        cache, attention = self._prefill(contexts, most + width - 1)
         forward = self.forward
         if self.static is not None and cache.layers:
-            most = max(requests[i].max_new_tokens for i in live)
-            width = 1 if drafter is None else drafter.max_tokens + 1
             cache, forward = self.static.adopt(cache, attention, most, width), self.static
         # A context's sequences share one row of the eager cache until they part: on the CPU a
         # decode forward costs per row; on a GPU rows are nearly free and each copy is launches.
@@ -243,8 +245,11 @@ class Decoder:
         chosen = logprobs.gather(2, sampled[..., None]).squeeze(2)
         return sampled, chosen, intervals.view(batch, columns, 2)
 
-    def _prefill(self, contexts: list[list[int]]) -> tuple[DecodeCache, torch.Tensor]:
-        """KV cache and attention mask [B, W] for each context minus its last token. Rows whose
+    def _prefill(
+        self, contexts: list[list[int]], room: int
+    ) -> tuple[DecodeCache, torch.Tensor]:
+        """KV cache and attention mask [B, W] for each context minus its last token, with `room`
+        columns to spare for decoding (`merge`). Rows whose
         tokens were verified into `prefixes` take the KV of those tokens from there (`_hit_kv`); the
         rest are computed in one forward pass, each distinct context once."""
         heads = [c[:-1] for c in contexts]
@@ -282,7 +287,7 @@ class Decoder:
         if not any(kv for _, kv, _ in parts):  # nothing cached, nothing to prefill
             width = torch.zeros(len(contexts), 0, dtype=torch.long, device=self.device)
             return DecodeCache(), width
-        return merge(parts)
+        return merge(parts, room)
 
 
 def _accepted(sampled: torch.Tensor, fed: torch.Tensor, proposed: torch.Tensor) -> torch.Tensor:

@@ -176,16 +176,19 @@ def layers_kv(cache: DynamicCache) -> list[torch.Tensor]:
 
 
 def merge(
-    parts: list[tuple[list[int], list[torch.Tensor], torch.Tensor]],
+    parts: list[tuple[list[int], list[torch.Tensor], torch.Tensor]], room: int
 ) -> tuple[DecodeCache, torch.Tensor]:
     """One left-padded cache from row groups of different widths, rows in their original order:
-    each group's KV is written once, straight into the decode cache's buffers."""
+    each group's KV is written once, straight into the decode cache's buffers, which have `room`
+    columns to spare (at least `spare_columns`): what the decoding writes, so that it never
+    grows them."""
     width = max(mask.shape[1] for _, _, mask in parts)
     batch = sum(len(rows) for rows, _, _ in parts)
     ref = next(kv for _, kv, _ in parts if kv)
     masks = ref[0].new_zeros(batch, width, dtype=torch.long)
     buffers = [
-        t.new_empty(batch, t.shape[1], width + _GrowingLayer.spare_columns, t.shape[3]) for t in ref
+        t.new_empty(batch, t.shape[1], width + max(room, _GrowingLayer.spare_columns), t.shape[3])
+        for t in ref
     ]
     for rows, kv, mask in parts:
         index = torch.tensor(rows, device=masks.device)
