@@ -71,8 +71,10 @@ class Decoder:
         most = max(requests[i].max_new_tokens for i in live)
         width = 1 if drafter is None else drafter.max_tokens + 1
         # room for the columns decoding writes (the context's last token, every new token but the
-        # last, the last forward's drafts), so that the cache is not copied as it grows
-        cache, attention = self._prefill(contexts, most + width - 1)
+        # last, the last forward's drafts), so that the cache is not copied as it grows; static
+        # decoding copies it into its arena at once
+        room = 0 if self.static is not None else most + width - 1
+        cache, attention = self._prefill(contexts, room)
         forward = self.forward
         if self.static is not None and cache.layers:
             cache, forward = self.static.adopt(cache, attention, most, width), self.static
@@ -245,9 +247,7 @@ class Decoder:
         chosen = logprobs.gather(2, sampled[..., None]).squeeze(2)
         return sampled, chosen, intervals.view(batch, columns, 2)
 
-    def _prefill(
-        self, contexts: list[list[int]], room: int
-    ) -> tuple[DecodeCache, torch.Tensor]:
+    def _prefill(self, contexts: list[list[int]], room: int) -> tuple[DecodeCache, torch.Tensor]:
         """KV cache and attention mask [B, W] for each context minus its last token, with `room`
         columns to spare for decoding (`merge`). Rows whose
         tokens were verified into `prefixes` take the KV of those tokens from there (`_hit_kv`); the
