@@ -102,7 +102,7 @@ def load_policy(
 
 def in_allocator_memory(model: PreTrainedModel) -> None:
     """Move `model`'s weights out of the checkpoint's memory mapping (safetensors) into torch's
-    CPU allocator, which puts tensors of 2 MB and more on huge pages (specrl/__init__.py). Mapped,
+    CPU allocator, which puts tensors of 2 MB and more on huge pages (specrl/host_memory.py). Mapped,
     a model's forwards ran at the speed of wherever the kernel mapped the file: of two copies of
     SmolLM2 in one process the second decoded 6-18% slower per 8-step window. Tied weights stay
     tied (one Parameter)."""
