@@ -1,7 +1,7 @@
 """Trie passes with glibc keeping freed memory (specrl's setting, specrl/host_memory.py) against
 glibc's defaults, on SmolLM2-135M-Instruct: each setting in its own process, the two taking
 turns. A process times, on the transformers engine with 2 threads, a prefill of 4 chat prompts
-of the documented chain_sum task (80-83 tokens) and passes over tries of 1, 15 and 60 random
+in the style of the documented chain_sum task (76-79 tokens) and passes over tries of 1, 15 and 60 random
 nodes per prompt (branching one node in five), `--rounds` times after two untimed rounds, and
 profiles three 60-node passes (the seconds of the calls that allocate [nodes, vocabulary]
 tensors). glibc's defaults: `MALLOC_TRIM_THRESHOLD_=131072` (its default value) in the
