@@ -11,11 +11,12 @@
   zeroed by the kernel again. A trie pass over SmolLM2's 49k-token vocabulary allocates several
   [nodes, vocabulary] tensors: a pass over 4 tries of 60 nodes took 1.88-2.09 s with glibc's
   defaults and 0.92-1.02 s with the memory kept, a prefill of the 4 prompts 0.72-0.77 s and
-  0.47-0.56 s (benchmarks/cpu-hf-smollm2-trie-pass-memory). Allocations of up to 1 GB are
-  therefore served from the heap (`M_MMAP_THRESHOLD`), and the heap is not trimmed below 2 GB of
-  free memory (`M_TRIM_THRESHOLD`): the process keeps its peak memory resident and reuses it.
-  glibc's own settings win: with `MALLOC_MMAP_THRESHOLD_`, `MALLOC_TRIM_THRESHOLD_` or
-  `GLIBC_TUNABLES` in the environment nothing is changed.
+  0.47-0.56 s (benchmarks/cpu-hf-smollm2-trie-pass-memory); a SmolLM2 training step with LoRA
+  took 22 s against 37-40 s, its update half the time (benchmarks/cpu-hf-smollm2-host-memory-steps).
+  Allocations of up to 1 GB are therefore served from the heap (`M_MMAP_THRESHOLD`), and the heap
+  is not trimmed below 2 GB of free memory (`M_TRIM_THRESHOLD`): the process keeps its peak memory
+  resident and reuses it. glibc's own settings win: with `MALLOC_MMAP_THRESHOLD_`,
+  `MALLOC_TRIM_THRESHOLD_` or `GLIBC_TUNABLES` in the environment nothing is changed.
 """
 
 from __future__ import annotations
