@@ -38,9 +38,10 @@ def configure() -> None:
         keep_freed_memory()
 
 
-def keep_freed_memory() -> bool:
-    """Serve allocations of up to 1 GB from glibc's heap and keep what is freed there: → whether
-    glibc took both settings (older versions cap the mmap threshold at 32 MB: then that)."""
+def keep_freed_memory() -> None:
+    """Serve allocations of up to 1 GB from glibc's heap and keep what is freed there (versions
+    that cap the mmap threshold at 32 MB refuse 1 GB: then 32 MB)."""
     mallopt = ctypes.CDLL(None).mallopt
-    mapped = mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD) or mallopt(M_MMAP_THRESHOLD, 32 << 20)
-    return bool(mapped) and bool(mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD))
+    if not mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD):
+        mallopt(M_MMAP_THRESHOLD, 32 << 20)
+    mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD)

@@ -245,9 +245,8 @@ def test_a_prompts_slots_share_one_prefill(engine, tiny_model):
 @pytest.mark.parametrize("drafted", [False, True], ids=["plain", "drafts"])
 def test_a_decode_call_writes_its_cache_where_the_prefill_put_it(tiny_model, drafted):
     """The cache a decode call starts from has room for every column it writes, its accepted
-    drafts' included: it is never copied into a larger one, however long the responses (on the
-    CPU a new buffer's memory faulted in and the copy took 10% of a call's time). Rejected
-    drafts' columns may still outgrow it."""
+    drafts' included: it is never copied into a larger one, however long the responses.
+    Rejected drafts' columns may still outgrow it."""
     engine = HFEngine(tiny_model, eos_token_ids=[], pad_token_id=PAD)  # every slot runs to 48
     requests = [GenRequest(p, 48, SamplingParams(1.0), seed=i) for i, p in enumerate(PROMPTS)]
     references = [r.token_ids for r in engine.generate(requests)]

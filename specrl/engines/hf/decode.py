@@ -249,9 +249,9 @@ class Decoder:
 
     def _prefill(self, contexts: list[list[int]], room: int) -> tuple[DecodeCache, torch.Tensor]:
         """KV cache and attention mask [B, W] for each context minus its last token, with `room`
-        columns to spare for decoding (`merge`). Rows whose
-        tokens were verified into `prefixes` take the KV of those tokens from there (`_hit_kv`); the
-        rest are computed in one forward pass, each distinct context once."""
+        columns to spare for decoding (`merge`). Rows whose tokens were verified into `prefixes`
+        take the KV of those tokens from there (`_hit_kv`); the rest are computed in one forward
+        pass, each distinct context once."""
         heads = [c[:-1] for c in contexts]
         prefixes = self.prefixes
         hits = {}
