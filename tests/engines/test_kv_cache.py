@@ -44,8 +44,9 @@ def test_decode_cache_grows_in_place_and_matches_dynamic_cache():
     for _ in range(5):
         update(5, 1)
     assert ours.layers[0].buffers[0].data_ptr() == buffer  # decode steps wrote in place
-    keep = _staying(torch.tensor([True, False, False, True, False]))
-    assert keep.tolist() == [4, 1, 2]  # rows 1, 2 stay in place, row 4 takes row 0's slot
+    keep, moved = _staying([True, False, False, True, False])
+    assert keep == [4, 1, 2] and moved == [0]  # rows 1, 2 stay in place, row 4 takes row 0's
+    keep = torch.tensor(keep)
     ours.keep_rows(keep)
     reference.batch_select_indices(keep)
     assert torch.equal(ours.layers[0].keys, reference.layers[0].keys)

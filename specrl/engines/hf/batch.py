@@ -28,9 +28,11 @@ from specrl.engines.sampling import RowSampling, uniform_table
 @dataclass
 class DecodeBatch:
     requests: torch.Tensor  # [B] the request each sequence decodes
-    tokens: torch.Tensor  # [B] fed next (the last token of the sequence so far)
+    request_ids: list[int]  # `requests` on the host
+    tokens: list[int]  # [B] fed next (the last token of the sequence so far)
     positions: torch.Tensor  # [B] the fed token's position
     left: torch.Tensor  # [B] new tokens the sequence may still emit
+    room: list[int]  # `left` on the host
     done: torch.Tensor  # [B] new tokens emitted so far
     uniforms: torch.Tensor  # [B, most new tokens] the uniform of each coming position
     sampling: RowSampling
@@ -62,9 +64,11 @@ class DecodeBatch:
         seeds = torch.tensor([requests[i].seed for i in live], device=device)
         batch = cls(
             requests=torch.tensor(live, device=device),
-            tokens=torch.tensor([c[-1] for c in contexts], device=device),
+            request_ids=list(live),
+            tokens=[c[-1] for c in contexts],
             positions=positions,
             left=left,
+            room=[requests[i].max_new_tokens for i in live],
             done=torch.zeros_like(left),
             uniforms=uniform_table(seeds, positions + 1, int(left.max())),
             sampling=RowSampling.of([requests[i].sampling for i in live], device),
@@ -95,13 +99,13 @@ class DecodeBatch:
 
     def feed(
         self, drafts: list[list[int]], pad: int
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    ) -> tuple[torch.Tensor, list[int], torch.Tensor]:
         """What the next forward feeds: every row's token followed by its drafts (`drafts` per
         sequence: a row's sequences part where theirs differ), padded to the widest, and the
         attention mask extended over those columns: → fed ids [R, K+1], the drafts per row [R],
         the column numbers [K+1]."""
-        device = self.tokens.device
-        tokens = self.tokens.tolist()
+        device = self.attention.device
+        tokens = self.tokens
         if self.share is not None:
             keys = [(r, t, *d) for r, t, d in zip(self.share, tokens, drafts, strict=True)]
             self._regroup(keys)
@@ -114,9 +118,9 @@ class DecodeBatch:
             padding = [pad] * width
             rows = [[t, *d, *padding[len(d) :]] for t, d in zip(tokens, drafts, strict=True)]
             fed = torch.tensor(rows, device=device)
-        proposed = torch.tensor(list(map(len, drafts)), device=device)
+        proposed = list(map(len, drafts))
         cols = torch.arange(width + 1, device=device)
-        fed_columns = (cols[None] <= proposed[:, None]).long()
+        fed_columns = (cols[None] <= torch.tensor(proposed, device=device)[:, None]).long()
         self.attention = torch.cat([self.attention, fed_columns], dim=1)
         return fed, proposed, cols
 
@@ -138,53 +142,56 @@ class DecodeBatch:
         self.left, self.done = self.left - emitted, self.done + emitted
         return emitted, stopped
 
-    def advance(
-        self,
-        sampled: torch.Tensor,
-        accepted: torch.Tensor,
-        cols: torch.Tensor,
-        finished: torch.Tensor,
-    ) -> None:
+    def advance(self, accepted: torch.Tensor, cols: torch.Tensor, emitted: Emitted) -> None:
         """To the next forward: the cache keeps each sequence's fed token and accepted drafts
-        (sequences of a row that accepted different drafts part), the sequence feeds the token
-        sampled after them, finished sequences leave (and rows no sequence reads)."""
+        (`accepted` [B]; sequences of a row that accepted different drafts part), the sequence
+        feeds the token sampled after them, finished sequences leave (and rows no sequence
+        reads). `emitted`, the forward's outcome on the host, decides which without a sync."""
         width = len(cols) - 1
-        self.tokens = sampled.gather(1, accepted[:, None]).squeeze(1)
+        self.tokens = emitted.next_tokens
+        self.room = [r - n for r, n in zip(self.room, emitted.counts, strict=True)]
         self.positions = self.positions + accepted + 1
+        kept = [i for i, gone in enumerate(emitted.finished) if not gone]
+        left = len(kept) < len(self)
+        device = self.attention.device
         if self.share is None:
             if width:  # the rejected drafts' columns are masked out
                 self.attention[:, -(width + 1) :] = (cols[None] <= accepted[:, None]).long()
-            if bool(finished.any()):
-                keep = _staying(finished)
-                self.cache.keep_rows(keep)
-                self._keep_sequences(keep)
-                self.attention = self.cache.drop_padding(self.attention[keep])
-        else:
-            left = bool(finished.any())
             if left:
-                keep = (~finished).nonzero().squeeze(1)
-                self._keep_sequences(keep)
-                self.share = [self.share[i] for i in keep.tolist()]
-                accepted = accepted[keep]
+                keep, moved = _staying(emitted.finished)
+                index = torch.tensor(keep, device=device)
+                self.cache.keep_rows(index, torch.tensor(moved, dtype=torch.long, device=device))
+                self._keep_sequences(keep, index)
+                self.attention = self.cache.drop_padding(self.attention[index])
+        else:
+            accepted_ids = emitted.accepted
+            if left:
+                index = torch.tensor(kept, device=device)
+                self._keep_sequences(kept, index)
+                self.share = [self.share[i] for i in kept]
+                accepted_ids = [accepted_ids[i] for i in kept]
+                accepted = accepted[index]
             if width:
-                pairs = zip(self.share, accepted.tolist(), strict=True)
-                self._regroup(list(pairs))
+                self._regroup(list(zip(self.share, accepted_ids, strict=True)))
                 mask = cols[None] <= accepted[self.leads][:, None]
                 self.attention[:, -(width + 1) :] = mask.long()
             elif left:
                 self._regroup(self.share)
             if left:
                 self.attention = self.cache.drop_padding(self.attention)
-        self.rejected = [()] * len(self.requests)
+        self.rejected = [()] * len(self)
         if width and _sparse(self.attention):
             self.attention = self.cache.compact(self.attention)
 
-    def _keep_sequences(self, keep: torch.Tensor) -> None:
-        """The sequences `keep`, in that order."""
-        self.requests, self.tokens, self.positions, self.left, self.done = (
-            t[keep] for t in (self.requests, self.tokens, self.positions, self.left, self.done)
+    def _keep_sequences(self, keep: list[int], index: torch.Tensor) -> None:
+        """The sequences `keep` (`index` on the device), in that order."""
+        self.requests, self.positions, self.left, self.done = (
+            t[index] for t in (self.requests, self.positions, self.left, self.done)
         )
-        self.uniforms, self.sampling = self.uniforms[keep], self.sampling.select(keep)
+        self.request_ids, self.tokens, self.room = (
+            [values[i] for i in keep] for values in (self.request_ids, self.tokens, self.room)
+        )
+        self.uniforms, self.sampling = self.uniforms[index], self.sampling.select(index)
         self.lead = None  # the sequences are numbered anew: `_regroup` finds each row's lead
 
     def _regroup(self, keys: list[Hashable]) -> None:
@@ -234,14 +241,54 @@ def _sparse(attention: torch.Tensor) -> bool:
     return attention.shape[1] > 2 * int(attention.sum(1).max()) + 32
 
 
-def _staying(finished: torch.Tensor) -> torch.Tensor:
-    """The batch rows that stay, as the new row order: row i stays in place, and the slot of a
-    finished row among the first B' is taken by a staying row from past B', so only those rows'
-    KV has to move (`DecodeCache.keep_rows`)."""
-    staying = (~finished).nonzero().squeeze(1)
-    keep = torch.arange(len(staying), device=finished.device)
-    keep[finished[: len(staying)]] = staying[staying >= len(staying)]
-    return keep
+def _staying(finished: list[bool]) -> tuple[list[int], list[int]]:
+    """The batch rows that stay, as the new row order, and the places whose row moves: row i
+    stays in place, and the slot of a finished row among the first B' is taken by a staying row
+    from past B', so only those rows' KV has to move (`DecodeCache.keep_rows`)."""
+    staying = [i for i, gone in enumerate(finished) if not gone]
+    keep = list(range(len(staying)))
+    moved = [i for i in keep if finished[i]]
+    for place, row in zip(moved, (i for i in staying if i >= len(staying)), strict=True):
+        keep[place] = row
+    return keep, moved
+
+
+@dataclass
+class Emitted:
+    """What a decode forward emitted, on the host: per sequence the tokens emitted, whether it
+    stopped at an end-of-sequence token, whether it finished (stopped, or its budget spent), its
+    draft tokens accepted and the token it feeds next (sampled after its accepted drafts)."""
+
+    tokens: list[list[int]]
+    stopped: list[bool]
+    finished: list[bool]
+    accepted: list[int]
+    next_tokens: list[int]
+
+    @classmethod
+    def read(
+        cls,
+        sampled: torch.Tensor,
+        emitted: torch.Tensor,
+        stopped: torch.Tensor,
+        finished: torch.Tensor,
+        accepted: torch.Tensor,
+    ) -> Emitted:
+        """From the forward's tensors (`sampled` [B, K+1], the rest [B]), in one copy to the
+        host: on a GPU each copy waits for the device."""
+        values = torch.cat([torch.stack([emitted, stopped, finished, accepted], 1), sampled], 1)
+        rows = values.tolist()
+        return cls(
+            tokens=[row[4 : 4 + row[0]] for row in rows],
+            stopped=[bool(row[1]) for row in rows],
+            finished=[bool(row[2]) for row in rows],
+            accepted=[row[3] for row in rows],
+            next_tokens=[row[4 + row[3]] for row in rows],
+        )
+
+    @property
+    def counts(self) -> list[int]:
+        return list(map(len, self.tokens))
 
 
 class Emissions:

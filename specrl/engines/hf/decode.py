@@ -15,14 +15,14 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import torch
 from torch.nn.utils.rnn import pad_sequence
 from transformers import DynamicCache
 
 from specrl.engines.accounting import ForwardCounts, causal_attended
-from specrl.engines.hf.batch import DecodeBatch, Emissions
+from specrl.engines.hf.batch import DecodeBatch, Emissions, Emitted
 from specrl.engines.hf.kv_cache import DecodeCache, layers_kv, merge
 from specrl.engines.hf.prefix_cache import Hit, PrefixCache
 from specrl.engines.hf.static_decode import StaticDecode
@@ -85,16 +85,22 @@ class Decoder:
         eos = torch.tensor(sorted(self.eos_token_ids), device=self.device)
         before = [len(r.token_ids) for r in results]  # a first token drawn from `prefixes`
         accepted_per_sequence = 0.0  # Σ over forwards of draft tokens accepted per sequence
-        emissions = Emissions()
+        emissions, tally = Emissions(), DecodeTally()
         while True:
             started = time.perf_counter()
             drafts = self._drafts(batch, results, indices)
-            fed, proposed, cols = batch.feed(drafts, self.pad_token_id)  # per row
+            fed, row_drafts, cols = batch.feed(drafts, self.pad_token_id)  # per row
             positions = batch.row_positions()[:, None] + cols
             logits = forward("decode", fed, batch.attention, positions, batch.cache)
-            self._count_decode(batch.attention, proposed, fed.shape[1])
+            tally.add(batch.attention, row_drafts, fed.shape[1])
             fed_rows, fed_tokens = len(fed), fed.numel()
-            fed, proposed = batch.per_sequence(fed), batch.per_sequence(proposed)
+            fed = batch.per_sequence(fed)
+            n_proposed = list(map(len, drafts))
+            proposed = (
+                torch.tensor(n_proposed, device=self.device)
+                if len(cols) > 1
+                else torch.zeros(len(batch), dtype=torch.long, device=self.device)
+            )
             sampled, logprobs, intervals = self._sample(
                 batch.per_sequence(logits),
                 batch.sampling,
@@ -104,49 +110,33 @@ class Decoder:
             accepted = _accepted(sampled, fed, proposed)  # [B] draft tokens kept
             emitted, stopped = batch.emit(sampled, accepted, cols, eos)
             emissions.add(batch.requests, emitted, logprobs, intervals, proposed, accepted)
-            # the tokens now (drafters read them); their logprobs and intervals at the end
-            for request, n, new in zip(
-                batch.requests.tolist(), emitted.tolist(), sampled.tolist(), strict=True
+            # the tokens now (drafters read them), in one copy to the host; their logprobs and
+            # intervals at the end
+            out = Emitted.read(sampled, emitted, stopped, stopped | (batch.left <= 0), accepted)
+            for request, new in zip(batch.request_ids, out.tokens, strict=True):
+                results[request].token_ids.extend(new)
+            for request, finished, stop in zip(
+                batch.request_ids, out.finished, out.stopped, strict=True
             ):
-                results[request].token_ids.extend(new[:n])
-            finished = stopped | (batch.left <= 0)
-            for request, was_stopped in zip(
-                batch.requests[finished].tolist(), stopped[finished].tolist(), strict=True
-            ):
-                results[request].finish_reason = _reason(was_stopped)
-                if drafter is not None:
-                    drafter.finished(indices[request], results[request].token_ids)
-            done = bool(finished.all())
+                if finished:
+                    results[request].finish_reason = _reason(stop)
+                    if drafter is not None:
+                        drafter.finished(indices[request], results[request].token_ids)
+            done = all(out.finished)
             if not done:
-                batch.advance(sampled, accepted, cols, finished)
+                batch.advance(accepted, cols, out)
             if drafter is not None:  # the whole iteration: drafting's host work included
-                n_proposed, n_accepted = proposed.tolist(), accepted.tolist()
                 seconds = time.perf_counter() - started
-                drafter.observe(n_proposed, n_accepted, fed_rows, fed_tokens, seconds)
-                accepted_per_sequence += sum(n_accepted) / len(n_accepted)
+                drafter.observe(n_proposed, out.accepted, fed_rows, fed_tokens, seconds)
+                accepted_per_sequence += sum(out.accepted) / len(out.accepted)
             if done:
                 emissions.write(results)
+                tally.record(self.counts)
                 if drafter is not None:  # the longest-lived sequence was in every forward
                     forwards = max(results[i].forwards for i in live)
                     longest = max(len(results[i].token_ids) - before[i] for i in live)
                     drafter.observe_loop(forwards, longest, accepted_per_sequence)
                 return results
-
-    def _count_decode(self, attention: torch.Tensor, proposed: torch.Tensor, width: int) -> None:
-        """One decode forward: each row's fed token and its drafts (`proposed` [B]) after the
-        context it attends to (`attention` [B, W], the fed columns last); every row is fed
-        `width` columns, as many as the widest."""
-        fed = proposed + 1
-        pairs = causal_attended(fed, attention.sum(1) - fed)
-        self.counts.record(
-            "decode",
-            len(fed),
-            int(fed.sum()),
-            int(attention.sum()),
-            int(pairs.sum()),
-            draft_positions=int(proposed.sum()),
-            computed=(len(fed) * width, attention.numel()),
-        )
 
     def _first_tokens(
         self, requests: list[GenRequest], results: list[GenResult]
@@ -210,8 +200,9 @@ class Decoder:
             drafter.choose([])
             return [[] for _ in range(len(batch))]
         drafts, cap = [], drafter.max_tokens  # no forward verifies more than K
-        requests, left = batch.requests.tolist(), batch.left.tolist()
-        for request, room, reject in zip(requests, left, batch.rejected, strict=True):
+        for request, room, reject in zip(
+            batch.request_ids, batch.room, batch.rejected, strict=True
+        ):
             draft = []
             if not reject and room > 1:
                 most = min(room - 1, cap)
@@ -288,6 +279,48 @@ class Decoder:
             width = torch.zeros(len(contexts), 0, dtype=torch.long, device=self.device)
             return DecodeCache(), width
         return merge(parts, room)
+
+
+@dataclass
+class DecodeTally:
+    """The counts of a decode loop's forwards: what the host knows added as they come, the sums
+    over attention masks kept on the device and read once, when the loop ends (on a GPU every
+    read waits for the device)."""
+
+    forwards: int = 0
+    rows: int = 0
+    positions: int = 0
+    draft_positions: int = 0
+    computed_positions: int = 0
+    computed_kv_reads: int = 0
+    sums: list[torch.Tensor] = field(default_factory=list)  # a forward's [KV reads, pairs]
+
+    def add(self, attention: torch.Tensor, drafts: list[int], width: int) -> None:
+        """A decode forward: each row's fed token and its `drafts` after the context it attends
+        to (`attention` [R, W], the `width` fed columns last, every row fed that many)."""
+        fed = attention[:, -width:].sum(1)
+        reads = attention.sum(1)
+        pairs = causal_attended(fed, reads - fed)
+        self.sums.append(torch.stack([reads.sum(), pairs.sum()]))
+        self.forwards += 1
+        self.rows += len(drafts)
+        self.draft_positions += sum(drafts)
+        self.positions += len(drafts) + sum(drafts)
+        self.computed_positions += len(drafts) * width
+        self.computed_kv_reads += attention.numel()
+
+    def record(self, counts: ForwardCounts) -> None:
+        kv_reads, attended = torch.stack(self.sums).sum(0).tolist()
+        counts.record(
+            "decode",
+            self.rows,
+            self.positions,
+            kv_reads,
+            attended,
+            draft_positions=self.draft_positions,
+            forwards=self.forwards,
+            computed=(self.computed_positions, self.computed_kv_reads),
+        )
 
 
 def _accepted(sampled: torch.Tensor, fed: torch.Tensor, proposed: torch.Tensor) -> torch.Tensor:
