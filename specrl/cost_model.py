@@ -124,8 +124,9 @@ class Device:
     fractions of peak an inference engine reaches; `overhead_s` what a forward costs besides
     (scheduling, launches), and `decode_overhead_s` what a decode forward does where that
     differs (an engine that replays decode forwards as CUDA graphs and runs its other forwards
-    eagerly; None: the same). On a GPU compute and memory traffic overlap (a forward takes the
-    larger); on a CPU they add up (`overlap=False`)."""
+    eagerly; None: the same); `capture_s` what capturing one of those graphs costs, once per
+    shape the engine meets (0: none captured, or not known). On a GPU compute and memory
+    traffic overlap (a forward takes the larger); on a CPU they add up (`overlap=False`)."""
 
     name: str
     peak_flops: float
@@ -136,6 +137,7 @@ class Device:
     source: str = ""
     overlap: bool = True
     decode_overhead_s: float | None = None
+    capture_s: float = 0.0
 
     @classmethod
     def named(cls, spec: str) -> Device:
@@ -188,8 +190,8 @@ DEVICES = {
 
 def step_seconds(counts: ForwardCounts, model: ModelShape, device: Device) -> float:
     """The price of one step's forwards: each kind's forwards at their mean size; work of a
-    kind without forwards of its own at its compute alone."""
-    total = 0.0
+    kind without forwards of its own at its compute alone; the CUDA graphs captured."""
+    total = counts.decode_captures * device.capture_s
     for kind in KINDS:
         forwards = getattr(counts, f"{kind}_forwards")
         positions = getattr(counts, f"{kind}_positions")

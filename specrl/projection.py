@@ -17,7 +17,7 @@ import copy
 import json
 import sys
 from collections.abc import Callable
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
@@ -80,21 +80,25 @@ def calibrate(engine: HFEngine, shape: ModelShape, seed: int = 0) -> Device:
     for rows, nodes in ((1, 64), (8, 128), (32, 128)):
         requests = [TrieRequest(ids(12), *trie(nodes), sampling) for _ in range(rows)]
         calls.append(lambda r=requests: engine.verify_tries(r))
-    timed = []
+    timed, captures, capture_seconds = [], 0, 0.0
     for call in calls:  # each call's fastest of three: what the machine does undisturbed
         runs = []
         for _ in range(3):
             before = copy.copy(engine.counts)
             call()
             runs.append(engine.counts - before)
+        captures += sum(c.decode_captures for c in runs)
+        capture_seconds += sum(c.decode_capture_seconds for c in runs)
         counts = min(runs, key=lambda c: c.seconds)
-        timed.append((counts.as_computed(), counts.seconds))
-    return fit_device(timed, shape, "this machine", engine.capabilities.graph_decoding)
+        timed.append((counts.as_computed(), counts.seconds - counts.decode_capture_seconds))
+    device = fit_device(timed, shape, "this machine", engine.capabilities.graph_decoding)
+    return replace(device, capture_s=capture_seconds / captures) if captures else device
 
 
 def machine_check(arms: dict[str, Steps], shape: ModelShape, device: Device) -> dict[str, Any]:
     """Every arm's seconds in forwards predicted from its recorded forwards on this machine's
-    `calibrate`d constants: → the constants and, per arm, measured and predicted seconds, their
+    `calibrate`d constants (CUDA graph captures at the calibration's mean cost of one): → the
+    constants and, per arm, measured and predicted seconds, their
     relative residual, and the host work (inside the engine's calls and outside them) that
     completes the rollout time."""
     out: dict[str, Any] = {
@@ -105,6 +109,7 @@ def machine_check(arms: dict[str, Steps], shape: ModelShape, device: Device) -> 
             if device.decode_overhead_s is not None
             else {}
         ),
+        **({"ms_per_graph_capture": device.capture_s * 1e3} if device.capture_s else {}),
         "gflops_per_s": device.peak_flops / 1e9,
         "gbytes_per_s": device.bandwidth / 1e9,
         "tolerance": CHECK_TOLERANCE,
@@ -141,6 +146,7 @@ def checked_device(check: dict[str, Any]) -> Device:
         "this machine", check["gflops_per_s"] * 1e9, check["gbytes_per_s"] * 1e9,
         check["overhead_ms_per_forward"] / 1e3, 1.0, 1.0, source=check["calibrated_on"],
         overlap=False, decode_overhead_s=None if graph_ms is None else graph_ms / 1e3,
+        capture_s=check.get("ms_per_graph_capture", 0.0) / 1e3,
     )  # fmt: skip
 
 
@@ -201,7 +207,12 @@ def check_lines(check: dict[str, Any]) -> list[str]:
     return [
         f"{arm}: {c.get('compared', 'engine calls')} measured {c['measured_s']:.1f} s"
         + (
-            f" (CUDA graph captures: {c['graph_captures']}, {c['capture_s']:.1f} s of them, unpriced)"
+            f" (CUDA graph captures: {c['graph_captures']}, {c['capture_s']:.1f} s of them, "
+            + (
+                f"priced at {check['ms_per_graph_capture']:.1f} ms each)"
+                if check.get("ms_per_graph_capture")
+                else "unpriced: the calibration captured none)"
+            )
             if c.get("graph_captures")
             else ""
         )

@@ -156,7 +156,15 @@ def test_windows_are_priced_by_the_work_counted_not_the_seconds_measured():
     assert (check["arms"]["graphs"]["graph_captures"], check["arms"]["graphs"]["capture_s"]) == (
         1, 0.5,
     )  # fmt: skip
-    assert "(CUDA graph captures: 1, 0.5 s of them, unpriced)" in check_lines(check)[0]
+    line = "(CUDA graph captures: 1, 0.5 s of them, unpriced: the calibration captured none)"
+    assert line in check_lines(check)[0]
+    capturing = replace(machine, capture_s=0.4)  # a calibration that captured graphs
+    priced = machine_check({"graphs": captured}, shape, capturing)
+    assert priced["arms"]["graphs"]["predicted_s"] == pytest.approx(
+        check["arms"]["graphs"]["predicted_s"] + 0.4
+    )
+    assert "captures: 1, 0.5 s of them, priced at 400.0 ms each)" in check_lines(priced)[0]
+    assert checked_device(priced).capture_s == pytest.approx(0.4)
 
 
 def test_stretched_responses_scale_decoding_and_keep_prefills():
