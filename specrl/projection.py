@@ -98,9 +98,8 @@ def calibrate(engine: HFEngine, shape: ModelShape, seed: int = 0) -> Device:
 def machine_check(arms: dict[str, Steps], shape: ModelShape, device: Device) -> dict[str, Any]:
     """Every arm's seconds in forwards predicted from its recorded forwards on this machine's
     `calibrate`d constants (CUDA graph captures at the calibration's mean cost of one): → the
-    constants and, per arm, measured and predicted seconds, their
-    relative residual, and the host work (inside the engine's calls and outside them) that
-    completes the rollout time."""
+    constants and, per arm, measured and predicted seconds, their relative residual, and the
+    host work (inside the engine's calls and outside them) that completes the rollout time."""
     out: dict[str, Any] = {
         "calibrated_on": "timed forwards of engine calls of varied sizes (no bench step)",
         "overhead_ms_per_forward": device.overhead_s * 1e3,

@@ -99,7 +99,7 @@ class DecodeBatch:
 
     def feed(
         self, drafts: list[list[int]], pad: int
-    ) -> tuple[torch.Tensor, list[int], torch.Tensor]:
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """What the next forward feeds: every row's token followed by its drafts (`drafts` per
         sequence: a row's sequences part where theirs differ), padded to the widest, and the
         attention mask extended over those columns: → fed ids [R, K+1], the drafts per row [R],
@@ -118,9 +118,9 @@ class DecodeBatch:
             padding = [pad] * width
             rows = [[t, *d, *padding[len(d) :]] for t, d in zip(tokens, drafts, strict=True)]
             fed = torch.tensor(rows, device=device)
-        proposed = list(map(len, drafts))
+        proposed = torch.tensor(list(map(len, drafts)), device=device)
         cols = torch.arange(width + 1, device=device)
-        fed_columns = (cols[None] <= torch.tensor(proposed, device=device)[:, None]).long()
+        fed_columns = (cols[None] <= proposed[:, None]).long()
         self.attention = torch.cat([self.attention, fed_columns], dim=1)
         return fed, proposed, cols
 

@@ -89,18 +89,12 @@ class Decoder:
         while True:
             started = time.perf_counter()
             drafts = self._drafts(batch, results, indices)
-            fed, row_drafts, cols = batch.feed(drafts, self.pad_token_id)  # per row
+            fed, proposed, cols = batch.feed(drafts, self.pad_token_id)  # per row
             positions = batch.row_positions()[:, None] + cols
             logits = forward("decode", fed, batch.attention, positions, batch.cache)
-            tally.add(batch.attention, row_drafts, fed.shape[1])
+            tally.add(batch.attention, fed.shape[1])
             fed_rows, fed_tokens = len(fed), fed.numel()
-            fed = batch.per_sequence(fed)
-            n_proposed = list(map(len, drafts))
-            proposed = (
-                torch.tensor(n_proposed, device=self.device)
-                if len(cols) > 1
-                else torch.zeros(len(batch), dtype=torch.long, device=self.device)
-            )
+            fed, proposed = batch.per_sequence(fed), batch.per_sequence(proposed)
             sampled, logprobs, intervals = self._sample(
                 batch.per_sequence(logits),
                 batch.sampling,
@@ -127,6 +121,7 @@ class Decoder:
                 batch.advance(accepted, cols, out)
             if drafter is not None:  # the whole iteration: drafting's host work included
                 seconds = time.perf_counter() - started
+                n_proposed = [len(d) for d in drafts]
                 drafter.observe(n_proposed, out.accepted, fed_rows, fed_tokens, seconds)
                 accepted_per_sequence += sum(out.accepted) / len(out.accepted)
             if done:
@@ -289,35 +284,31 @@ class DecodeTally:
 
     forwards: int = 0
     rows: int = 0
-    positions: int = 0
-    draft_positions: int = 0
     computed_positions: int = 0
     computed_kv_reads: int = 0
-    sums: list[torch.Tensor] = field(default_factory=list)  # a forward's [KV reads, pairs]
+    sums: list[torch.Tensor] = field(default_factory=list)  # a forward's [positions, KV, pairs]
 
-    def add(self, attention: torch.Tensor, drafts: list[int], width: int) -> None:
-        """A decode forward: each row's fed token and its `drafts` after the context it attends
-        to (`attention` [R, W], the `width` fed columns last, every row fed that many)."""
+    def add(self, attention: torch.Tensor, width: int) -> None:
+        """A decode forward: each row's fed token and drafts after the context it attends to
+        (`attention` [R, W], the `width` fed columns last, every row fed that many)."""
         fed = attention[:, -width:].sum(1)
         reads = attention.sum(1)
         pairs = causal_attended(fed, reads - fed)
-        self.sums.append(torch.stack([reads.sum(), pairs.sum()]))
+        self.sums.append(torch.stack([fed.sum(), reads.sum(), pairs.sum()]))
         self.forwards += 1
-        self.rows += len(drafts)
-        self.draft_positions += sum(drafts)
-        self.positions += len(drafts) + sum(drafts)
-        self.computed_positions += len(drafts) * width
+        self.rows += len(attention)
+        self.computed_positions += len(attention) * width
         self.computed_kv_reads += attention.numel()
 
     def record(self, counts: ForwardCounts) -> None:
-        kv_reads, attended = torch.stack(self.sums).sum(0).tolist()
+        positions, kv_reads, attended = torch.stack(self.sums).sum(0).tolist()
         counts.record(
             "decode",
             self.rows,
-            self.positions,
+            positions,
             kv_reads,
             attended,
-            draft_positions=self.draft_positions,
+            draft_positions=positions - self.rows,  # a row's fed columns: its token, its drafts
             forwards=self.forwards,
             computed=(self.computed_positions, self.computed_kv_reads),
         )
