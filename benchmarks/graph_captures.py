@@ -6,7 +6,8 @@ forwards each captured shape served (`uses`: shapes by their count of forwards, 
 
     python benchmarks/graph_captures.py --out FILE [CONFIG OVERRIDES...]
 
-On the CPU the arena is run eagerly, so what it counts is the shapes, not their cost; on an H200
+Graphs are emulated (tests/engines/graphs.py: the arenas take CUDA's shapes, and a capture or
+replay runs the forward eagerly), so what it counts is the shapes, not their cost; on an H200
 a trie arm's reuse steps spent most of their decode time capturing
 (benchmarks/gpu-h200-hf-captures-680f630).
 """
@@ -24,10 +25,22 @@ from specrl import trainer
 from specrl.cli import main as specrl_main
 from specrl.engines.hf import static_decode
 
+ROOT = Path(__file__).resolve().parents[1]  # the tests package lives there
+sys.path.insert(0, str(ROOT))
+
 
 def count(overrides: list[str]) -> dict:
     events: list[tuple] = []
     shapes: dict[int, collections.Counter] = collections.defaultdict(collections.Counter)
+    replaced: list[tuple] = []
+
+    def patch(owner, name, value) -> None:
+        replaced.append((owner, name, getattr(owner, name)))
+        setattr(owner, name, value)
+
+    from tests.engines.graphs import emulate_graphs
+
+    emulate_graphs(patch)  # the arenas' shapes as on CUDA (GRAPH_ROWS rows at least)
     init, logits, begin_step = (
         static_decode.Arena.__init__,
         static_decode.Arena.logits,
@@ -57,6 +70,8 @@ def count(overrides: list[str]) -> dict:
     finally:
         static_decode.Arena.__init__, static_decode.Arena.logits = init, logits
         trainer.Trainer.begin_step = begin_step
+        for owner, name, value in reversed(replaced):
+            setattr(owner, name, value)
     steps: list[collections.Counter] = [collections.Counter()]  # [0]: before the first step
     for kind, _ in events:
         if kind == "step":

@@ -13,10 +13,11 @@ import torch
 from specrl.config import SpecConfig, TreeConfig
 from specrl.engines import GenRequest, SamplingParams
 from specrl.engines.hf import HFEngine
-from specrl.engines.hf.static_decode import COLUMN_BUCKET, Arena, StaticKV, bucket
+from specrl.engines.hf.static_decode import COLUMN_BUCKET, GRAPH_ROWS, Arena, StaticKV, bucket
 from specrl.speculative.stage import SpeculativeStage
 from specrl.types import Example, Prompt
 from tests.conftest import EOS, PAD, make_tiny_model
+from tests.engines.graphs import emulate_graphs
 from tests.engines.test_drafts import drafting
 
 CUDA = pytest.param(
@@ -157,27 +158,8 @@ def test_a_capture_pauses_the_cyclic_collector_and_leaves_the_allocators_cache(m
 
 @pytest.fixture
 def emulated_graphs(monkeypatch) -> None:
-    """Graphs emulated on the CPU: an arena captures as on CUDA (the capture runs the forward, a
-    replay runs it again into the captured output)."""
-
-    class Graph:
-        def __init__(self, replay):
-            self.replay = replay
-
-    def capture(self, model, rows, width):
-        logits = self._run(model, rows, width)
-        self.graphs[rows, width] = (
-            Graph(lambda: logits.copy_(self._run(model, rows, width))),
-            logits,
-        )
-
-    def with_pool(self, *args):
-        init(self, *args)
-        self.pool = object()  # as on CUDA: forwards are captured, then replayed
-
-    init = Arena.__init__
-    monkeypatch.setattr(Arena, "__init__", with_pool)
-    monkeypatch.setattr(Arena, "capture", capture)
+    """Graphs emulated on the CPU (tests/engines/graphs.py)."""
+    emulate_graphs(monkeypatch.setattr)
 
 
 def test_captures_are_counted_and_timed_apart_from_replays(emulated_graphs):
@@ -185,7 +167,7 @@ def test_captures_are_counted_and_timed_apart_from_replays(emulated_graphs):
     shape is captured once per arena, counted under perf/decode/captures with its seconds
     within the decode seconds, and the tokens stay the eager loop's."""
     eager, static = engines(init=0.3)
-    batch = requests(13, SamplingParams(1.0))
+    batch = requests(40, SamplingParams(1.0))
     assert_same(eager.generate(batch), static.generate(batch))
     counts, shapes = static.counts, set(static.static.arena.graphs)
     assert counts.decode_captures == len(shapes) > 1
@@ -194,6 +176,18 @@ def test_captures_are_counted_and_timed_apart_from_replays(emulated_graphs):
     metrics = static.counts.metrics()
     assert metrics["perf/decode/captures"] == len(shapes)
     assert metrics["timing_s/capture/decode"] == counts.decode_capture_seconds
+
+
+def test_a_graph_feeds_at_least_graph_rows_rows(emulated_graphs):
+    """As CUDA graphs, forwards of fewer live rows run at `GRAPH_ROWS` (on a GPU in the time of
+    one row's): a batch of 13 rows leaving at different forwards is one shape, captured once,
+    where the eager arena runs it at several power-of-two batches; the tokens are the eager
+    loop's."""
+    eager, static = engines(init=0.3)
+    batch = requests(13, SamplingParams(1.0))
+    assert_same(eager.generate(batch), static.generate(batch))
+    assert set(static.static.arena.graphs) == {(GRAPH_ROWS, 1)}
+    assert static.counts.decode_captures == 1
 
 
 @pytest.mark.parametrize("device", [CUDA])

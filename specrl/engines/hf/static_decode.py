@@ -9,8 +9,8 @@ is then bound by the host launching its kernels one by one. Here a decode call's
 rounded up to a power of two and `columns` the most any call has needed rounded up to a power
 of two (at least `COLUMN_BUCKET`): one arena, replaced by a larger one when a call needs more (on
 CUDA its graphs are then all captured again, so the sizes grow in powers). A forward feeds the
-live rows padded to the next power of two (idle rows feed the pad token at position 0 and attend
-to column 0; their outputs are dropped), each row its token and, with a drafter, its K draft
+live rows padded to the next power of two, on CUDA at least `GRAPH_ROWS` (idle rows feed the pad
+token at position 0 and attend to column 0; their outputs are dropped), each row its token and, with a drafter, its K draft
 tokens, the fed width padded to a width bucket (the padding columns attend as the last real one
 does; their outputs are dropped). It writes its new KV columns in place (every row writes the
 same columns: contexts are left-padded, and a rejected draft's column stays, masked out) and
@@ -51,11 +51,20 @@ from specrl.engines.hf.kv_cache import DecodeCache, attended_columns, layers_kv
 from specrl.models import planless_attention
 
 COLUMN_BUCKET = 64
+# A graph's forward feeds at least this many rows: a GPU runs a decode forward of up to 16 rows
+# (even with 8 drafts each) in the time of one row's (kernel launches and weight reads), and the
+# shapes below it were a third of a trie run's captures (benchmarks/cpu-graph-captures-min-rows)
+GRAPH_ROWS = 16
 
 
 def bucket(rows: int) -> int:
     """The power of two at or above `rows`."""
     return 1 << max(rows - 1, 0).bit_length()
+
+
+def graph_pool(device: torch.device):
+    """The memory pool an arena's CUDA graphs share; None where forwards are not captured."""
+    return torch.cuda.graph_pool_handle() if device.type == "cuda" else None
 
 
 class Arena:
@@ -64,6 +73,9 @@ class Arena:
 
     def __init__(self, like: list[torch.Tensor], rows: int, columns: int, width: int) -> None:
         first = like[0]
+        self.pool = graph_pool(first.device)
+        if self.pool is not None:
+            rows = max(rows, GRAPH_ROWS)
         self.rows, self.columns, self.width, self.device = rows, columns, width, first.device
         self.kv = [t.new_zeros(rows, t.shape[1], columns, t.shape[3]) for t in like]
         self.ids = torch.zeros(rows, width, dtype=torch.long, device=self.device)
@@ -74,7 +86,6 @@ class Arena:
         self.cache = StaticKV(self)
         # (rows, fed width) → the captured graph and its logits
         self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
-        self.pool = torch.cuda.graph_pool_handle() if self.device.type == "cuda" else None
 
     def fits(self, like: list[torch.Tensor], rows: int, columns: int, width: int) -> bool:
         """Whether it holds KV like `like` for `rows` rows, `columns` columns and `width` fed
@@ -88,6 +99,11 @@ class Arena:
             and like[0].dtype == self.kv[0].dtype
             and like[0].device == self.device
         )
+
+    def rows_bucket(self, rows: int) -> int:
+        """The rows a forward of `rows` live rows runs at: the power of two at or above it, as a
+        graph at least `GRAPH_ROWS`."""
+        return bucket(rows) if self.pool is None else max(bucket(rows), GRAPH_ROWS)
 
     def width_bucket(self, width: int) -> int:
         """The fed width a forward of `width` columns runs at: the power of two at or above it,
@@ -254,7 +270,7 @@ class StaticDecode:
         arena = cache.arena
         live, fed = ids.shape
         context = attention.shape[1] - fed  # the first fed column
-        rows, width = bucket(live), arena.width_bucket(fed)
+        rows, width = arena.rows_bucket(live), arena.width_bucket(fed)
         arena.ids[:live, :fed] = ids
         arena.ids[:live, fed:width] = self.pad_token_id
         arena.ids[live:rows, :width] = self.pad_token_id
