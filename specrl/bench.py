@@ -50,10 +50,10 @@ from specrl.assemble import trainer_device
 from specrl.bench_summary import WINDOW_STEPS, summarize, timing_warnings, window_lines
 from specrl.config import Config, ConfigError, validated
 from specrl.cost_model import ModelShape
-from specrl.engines.build import engine_kind, hf_engine
+from specrl.engines.build import engine_kind, hf_engine, rollout_policy
 from specrl.errors import UserError
 from specrl.lora import load_trained_weights
-from specrl.models import eos_token_ids, load_policy
+from specrl.models import eos_token_ids
 from specrl.plots import plot_metrics
 from specrl.projection import (
     calibrate,
@@ -341,13 +341,13 @@ def _check_cost_model(
     window: int,
 ) -> dict[str, Any]:
     """The cost model on this machine: constants from timed forwards of a transformers engine
-    on the bench's policy (the arms' threads and device, decoding as they did: at static shapes,
-    as CUDA graphs on CUDA, with `rollout.static_decode`), every arm's seconds in forwards
-    predicted from its steps, and per `window` steps (`windows`) its rollout seconds priced by
-    the work it did (`priced_windows`)."""
-    policy, tokenizer = load_policy(model_dir, cfg.model.dtype)
+    on the bench's policy (the arms' threads and device, decoding as they did: through its LoRA
+    adapters, at static shapes, as CUDA graphs on CUDA, with `rollout.static_decode`), every
+    arm's seconds in forwards predicted from its steps, and per `window` steps (`windows`) its
+    rollout seconds priced by the work it did (`priced_windows`)."""
+    policy, tokenizer = rollout_policy(cfg, model_dir)
     engine = hf_engine(
-        cfg, policy.eval().to(trainer_device(cfg)), eos_token_ids(policy, tokenizer),
+        cfg, policy.to(trainer_device(cfg)), eos_token_ids(policy, tokenizer),
         tokenizer.pad_token_id,
     )  # fmt: skip
     per_seed = {arm: [recorded_steps(h) for h in histories] for arm, histories in runs.items()}

@@ -181,6 +181,38 @@ def test_stretched_responses_scale_decoding_and_keep_prefills():
     assert (long.verify_forwards, long.verify_positions) == (1, 1000)
 
 
+def test_the_cost_model_check_calibrates_through_the_arms_lora_adapters(
+    tiny_policy_dir, tmp_path, monkeypatch
+):
+    """With LoRA the arms decode through unmerged adapters (each adapted layer's extra matmuls and
+    peft's dispatch in every forward), and so does the calibration (SmolLM2 chain_sum with LoRA
+    at 5486040: calibrated on the base model, the check priced both arms' forwards 21% under what
+    they took)."""
+    import peft
+
+    from specrl import bench
+
+    class Calibrated(Exception):
+        pass
+
+    models = []
+
+    def calibrate(engine, shape):
+        models.append(engine.model)
+        raise Calibrated
+
+    monkeypatch.setattr(bench, "calibrate", calibrate)
+    shape = bench.policy_shape(tiny_policy_dir)
+    for rank in (0, 4):
+        cfg = small_config(tiny_policy_dir, tmp_path / str(rank), f"actor.lora.rank={rank}")
+        with pytest.raises(Calibrated):
+            bench._check_cost_model(cfg, {}, shape, tiny_policy_dir, 8)
+    base, adapted = models
+    assert not isinstance(base, peft.PeftModel) and not base.training
+    assert isinstance(adapted, peft.PeftModel) and not adapted.training
+    assert adapted.peft_config["default"].r == 4
+
+
 def test_bench_checks_the_cost_model_and_project_prices_its_trace(
     tiny_policy_dir, tmp_path, capsys
 ):

@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
+from typing import Any
 
 import torch
 import transformers
@@ -94,12 +95,18 @@ def build_worker_engine(
     replaced by the trainer's at the first sync, through `weight_transfer`: local or nccl). With
     LoRA, hf carries the same adapters as the policy, so a sync sends only them."""
     if cfg.rollout.name == "hf":
-        policy = load_policy(model_dir, cfg.model.dtype)[0]
-        if cfg.actor.lora.rank:
-            policy = with_adapters(policy, cfg.actor.lora, cfg.trainer.seed)
-        policy.eval().requires_grad_(False)
-        return hf_engine(cfg, policy, eos_ids, pad_id)
+        return hf_engine(cfg, rollout_policy(cfg, model_dir)[0], eos_ids, pad_id)
     return _vllm_engine(cfg, eos_ids, model_dir, weight_transfer)
+
+
+def rollout_policy(cfg: Config, model_dir: Path) -> tuple[PreTrainedModel, Any]:
+    """A copy of the policy in `model_dir` as the transformers engine decodes with it, and its
+    tokenizer: with LoRA, through the same (seeded, fresh) adapters as the trainer's, unmerged;
+    in eval mode, without gradients."""
+    policy, tokenizer = load_policy(model_dir, cfg.model.dtype)
+    if cfg.actor.lora.rank:
+        policy = with_adapters(policy, cfg.actor.lora, cfg.trainer.seed)
+    return policy.eval().requires_grad_(False), tokenizer
 
 
 def _vllm_engine(
