@@ -10,9 +10,9 @@ rounded up to a power of two and `columns` the most any call has needed rounded 
 of two (at least `COLUMN_BUCKET`): one arena, replaced by a larger one when a call needs more (on
 CUDA its graphs are then all captured again, so the sizes grow in powers). A forward feeds the
 live rows padded to the next power of two, on CUDA at least `GRAPH_ROWS` (idle rows feed the pad
-token at position 0 and attend to column 0; their outputs are dropped), each row its token and, with a drafter, its K draft
-tokens, the fed width padded to a width bucket (the padding columns attend as the last real one
-does; their outputs are dropped). It writes its new KV columns in place (every row writes the
+token at position 0 and attend to column 0; their outputs are dropped), each row its token and,
+with a drafter, its K draft tokens, the fed width padded to a width bucket (the padding columns
+attend as the last real one does; their outputs are dropped). It writes its new KV columns in place (every row writes the
 same columns: contexts are left-padded, and a rejected draft's column stays, masked out) and
 attends through a 4-D mask over all the arena's columns, causal among the fed ones. Columns not
 written in this call are masked; the buffers start zeroed and hold only KV computed since, so
