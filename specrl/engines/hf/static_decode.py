@@ -2,26 +2,26 @@
 and fed widths in buckets, and on CUDA each bucket's decode forward captured once as a CUDA graph
 and replayed.
 
-The eager decode loop (decode.py) narrows its KV cache as rows finish and drops the columns no
-row attends to, so its forwards change shape as they go; on a GPU a small model's decode forward
-is then bound by the host launching its kernels one by one. Here a decode call's KV lives in an
+The eager decode loop (decode.py) narrows its KV cache as rows finish and drops the columns no row
+attends to, so its forwards change shape as they go; on a GPU a small model's decode forward is
+then bound by the host launching its kernels one by one. Here a decode call's KV lives in an
 `Arena`: buffers [rows, kv heads, columns, head dim] per layer, `rows` the largest batch so far
-rounded up to a power of two and `columns` the most any call has needed rounded up to a power
-of two (at least `COLUMN_BUCKET`): one arena, replaced by a larger one when a call needs more (on
-CUDA its graphs are then all captured again, so the sizes grow in powers). A forward feeds the
-live rows padded to the next power of two, on CUDA at least `GRAPH_ROWS` (idle rows feed the pad
-token at position 0 and attend to column 0; their outputs are dropped), each row its token and,
-with a drafter, its K draft tokens, the fed width padded to a width bucket (the padding columns
-attend as the last real one does; their outputs are dropped). It writes its new KV columns in place (every row writes the
-same columns: contexts are left-padded, and a rejected draft's column stays, masked out) and
-attends through a 4-D mask over all the arena's columns, causal among the fed ones. Columns not
-written in this call are masked; the buffers start zeroed and hold only KV computed since, so
-what a masked column holds is finite and weighs exactly 0. Finished rows leave as in the eager
-cache (the last live rows move into their places); when rejected drafts have left the columns
+rounded up to a power of two and `columns` the most any call has needed rounded up to a power of
+two (at least `COLUMN_BUCKET`): one arena, replaced by a larger one when a call needs more (on CUDA
+its graphs are then all captured again, so the sizes grow in powers). A forward feeds the live rows
+padded to the next power of two, on CUDA at least `GRAPH_ROWS` (idle rows feed the pad token at
+position 0 and attend to column 0; their outputs are dropped), each row its token and, with a
+drafter, its K draft tokens, the fed width padded to a width bucket (the padding columns attend as
+the last real one does; their outputs are dropped). It writes its new KV columns in place (every
+row writes the same columns: contexts are left-padded, and a rejected draft's column stays, masked
+out) and attends through a 4-D mask over all the arena's columns, causal among the fed ones.
+Columns not written in this call are masked; the buffers start zeroed and hold only KV computed
+since, so what a masked column holds is finite and weighs exactly 0. Finished rows leave as in the
+eager cache (the last live rows move into their places); when rejected drafts have left the columns
 sparse, every row's attended columns move to the right end (`StaticKV.compact`), as in the eager
-cache, within the same buffers. A call with drafts gets room for that: twice its widest context
-and budget, plus a spare fed width (the decode loop compacts before the columns are twice what
-its longest row attends to).
+cache, within the same buffers. A call with drafts gets room for that: twice its widest context and
+budget, plus a spare fed width (the decode loop compacts before the columns are twice what its
+longest row attends to).
 
 On CUDA the forward of each (batch bucket, width bucket) is captured after two warm-up runs on a
 side stream (the runs write the same KV the step writes), on that stream, with Python's cyclic
