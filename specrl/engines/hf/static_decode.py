@@ -51,9 +51,10 @@ from specrl.engines.hf.kv_cache import DecodeCache, attended_columns, layers_kv
 from specrl.models import planless_attention
 
 COLUMN_BUCKET = 64
-# A graph's forward feeds at least this many rows: a GPU runs a decode forward of up to 16 rows
-# (even with 8 drafts each) in the time of one row's (kernel launches and weight reads), and the
-# shapes below it were a third of a trie run's captures (benchmarks/cpu-graph-captures-min-rows)
+# A graph's forward feeds at least this many rows: on a GPU a decode forward of a few rows takes
+# the time of its kernel launches and weight reads, whatever its rows (the 25M policy's graph
+# forwards averaged 1.5 ms from 256 rows down to one on an H200), and the shapes below 16 rows
+# were a third of a trie run's captures (benchmarks/cpu-graph-captures-min-rows)
 GRAPH_ROWS = 16
 
 
