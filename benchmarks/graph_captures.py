@@ -1,8 +1,8 @@
-"""The CUDA graphs a static-decode run would capture, counted on the CPU: a run of `specrl train`
-with `rollout.static_decode=true`, counting per step the arenas built (on CUDA each one captures
-every graph again), the (rows, fed width) shapes first fed to each arena (one capture each on
-CUDA: two warm-up forwards and the capture) and the decode forwards, and over the run how many
-forwards each captured shape served (`uses`: shapes by their count of forwards, per arena).
+"""The CUDA graphs a static-decode run would capture, counted on the CPU: a run of `specrl train` with
+`rollout.static_decode=true`, counting per step the arenas built (on CUDA each one captures every
+graph again), the (rows, fed width) shapes first fed to each arena (one capture each on CUDA: two
+warm-up forwards and the capture; `shapes`: which) and the decode forwards, and over the run how
+many forwards each captured shape served (`uses`: shapes by their count of forwards, per arena).
 
     python benchmarks/graph_captures.py --out FILE [CONFIG OVERRIDES...]
 
@@ -73,14 +73,21 @@ def count(overrides: list[str]) -> dict:
         for owner, name, value in reversed(replaced):
             setattr(owner, name, value)
     steps: list[collections.Counter] = [collections.Counter()]  # [0]: before the first step
-    for kind, _ in events:
+    captured: list[list[list[int]]] = [[]]  # per step, the (rows, width) shapes captured
+    for kind, shape in events:
         if kind == "step":
             steps.append(collections.Counter())
+            captured.append([])
         else:
             steps[-1][kind] += 1
+            if kind == "captures":
+                captured[-1].append(list(shape))
     kinds = ("arenas", "captures", "forwards")
     return {
-        "steps": [{"step": i, **{k: c[k] for k in kinds}} for i, c in enumerate(steps)],
+        "steps": [
+            {"step": i, **{k: c[k] for k in kinds}, "shapes": shapes_of_step}
+            for i, (c, shapes_of_step) in enumerate(zip(steps, captured, strict=True))
+        ],
         "totals": {k: sum(c[k] for c in steps) for k in kinds},
         "arenas": [list(shape) for kind, shape in events if kind == "arenas"],
         "uses": [dict(sorted(collections.Counter(c.values()).items())) for c in shapes.values()],
