@@ -1,8 +1,9 @@
-"""The CUDA graphs a static-decode run would capture, counted on the CPU: a run of `specrl train` with
-`rollout.static_decode=true`, counting per step the arenas built (on CUDA each one captures every
-graph again), the (rows, fed width) shapes first fed to each arena (one capture each on CUDA: two
-warm-up forwards and the capture; `shapes`: which) and the decode forwards, and over the run how
-many forwards each captured shape served (`uses`: shapes by their count of forwards, per arena).
+"""The CUDA graphs a static-decode run would capture, counted on the CPU: a run of `specrl train`
+with `rollout.static_decode=true`, counting per step the arenas built (on CUDA each one captures
+every graph again), the (rows, fed width) shapes first fed to each arena (one capture each on CUDA:
+two warm-up forwards and the capture; `shapes`: which) and the decode forwards, and over the run
+how many forwards each captured shape served (`uses`: shapes by their count of forwards, per
+arena).
 
     python benchmarks/graph_captures.py --out FILE [CONFIG OVERRIDES...]
 
