@@ -9,6 +9,7 @@ import gc
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from specrl.config import SpecConfig, TreeConfig
 from specrl.engines import GenRequest, SamplingParams
@@ -119,6 +120,49 @@ def test_the_arena_grows_in_powers_of_two_so_few_calls_replace_it():
             arenas.append(arena)
     columns = [arena.columns for arena in arenas]
     assert columns == [64, 128, 256, 512]  # needs of 11 to 491 columns: 21 calls
+
+
+class Dispatches(TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+def test_rows_and_columns_move_in_every_layer_in_ops_that_do_not_grow_with_the_layers():
+    """On a GPU each op is a launch from the host: finished rows leaving an arena (and columns
+    compacted) cost the same few ops for 2 layers as for 12, however many layers share a shape
+    (a model whose layers differ gets a store per shape), and each layer's keys and values
+    move as they would alone."""
+
+    def arena(layers: int, heads: list[int]) -> tuple[Arena, list[torch.Tensor]]:
+        like = [torch.zeros(4, heads[j // 2 % len(heads)], 8, 6) for j in range(2 * layers)]
+        arena = Arena(like, 4, COLUMN_BUCKET, 1)
+        for j, buffer in enumerate(arena.kv):
+            buffer.copy_(torch.randn(buffer.shape, generator=torch.Generator().manual_seed(j)))
+        return arena, [buffer.clone() for buffer in arena.kv]
+
+    def moved(layers: int, heads: list[int]) -> int:
+        store, before = arena(layers, heads)
+        keep = torch.tensor([0, 3, 2])  # row 1 finished: the last row moves into its place
+        attention = torch.zeros(3, COLUMN_BUCKET, dtype=torch.long)
+        attention[:, [5, 9, 30]] = 1  # columns rejected drafts left sparse
+        with Dispatches() as rows:
+            store.cache.keep_rows(keep)
+        for buffer, old in zip(store.kv, before, strict=True):
+            assert torch.equal(buffer[:3], old[keep])
+        with Dispatches() as columns:
+            store.cache.compact(attention)
+        for buffer, old in zip(store.kv, before, strict=True):
+            assert torch.equal(buffer[:3, :, :3], old[keep][:, :, [5, 9, 30]])
+        return rows.count, columns.count, len(store.stores)
+
+    assert moved(2, [2]) == moved(12, [2]) and moved(2, [2])[2] == 1
+    mixed = moved(12, [2, 3])  # two shapes: two stores, each moved as one
+    assert mixed[2] == 2 and mixed[:2] == moved(2, [2, 3])[:2]
 
 
 def test_a_capture_pauses_the_cyclic_collector_and_leaves_the_allocators_cache(monkeypatch):

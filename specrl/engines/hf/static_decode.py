@@ -5,23 +5,23 @@ and replayed.
 The eager decode loop (decode.py) narrows its KV cache as rows finish and drops the columns no row
 attends to, so its forwards change shape as they go; on a GPU a small model's decode forward is
 then bound by the host launching its kernels one by one. Here a decode call's KV lives in an
-`Arena`: buffers [rows, kv heads, columns, head dim] per layer, `rows` the largest batch so far
-rounded up to a power of two and `columns` the most any call has needed rounded up to a power of
-two (at least `COLUMN_BUCKET`): one arena, replaced by a larger one when a call needs more (on CUDA
-its graphs are then all captured again, so the sizes grow in powers). A forward feeds the live rows
-padded to the next power of two, on CUDA at least `GRAPH_ROWS` (idle rows feed the pad token at
-position 0 and attend to column 0; their outputs are dropped), each row its token and, with a
-drafter, its K draft tokens, the fed width padded to a width bucket (the padding columns attend as
-the last real one does; their outputs are dropped). It writes its new KV columns in place (every
-row writes the same columns: contexts are left-padded, and a rejected draft's column stays, masked
-out) and attends through a 4-D mask over all the arena's columns, causal among the fed ones.
-Columns not written in this call are masked; the buffers start zeroed and hold only KV computed
-since, so what a masked column holds is finite and weighs exactly 0. Finished rows leave as in the
-eager cache (the last live rows move into their places); when rejected drafts have left the columns
-sparse, every row's attended columns move to the right end (`StaticKV.compact`), as in the eager
-cache, within the same buffers. A call with drafts gets room for that: twice its widest context and
-budget, plus a spare fed width (the decode loop compacts before the columns are twice what its
-longest row attends to).
+`Arena`: buffers [rows, kv heads, columns, head dim] per layer (views of one store for the layers
+of one shape), `rows` the largest batch so far rounded up to a power of two and `columns` the most
+any call has needed rounded up to a power of two (at least `COLUMN_BUCKET`): one arena, replaced by
+a larger one when a call needs more (on CUDA its graphs are then all captured again, so the sizes
+grow in powers). A forward feeds the live rows padded to the next power of two, on CUDA at least
+`GRAPH_ROWS` (idle rows feed the pad token at position 0 and attend to column 0; their outputs are
+dropped), each row its token and, with a drafter, its K draft tokens, the fed width padded to a
+width bucket (the padding columns attend as the last real one does; their outputs are dropped). It
+writes its new KV columns in place (every row writes the same columns: contexts are left-padded,
+and a rejected draft's column stays, masked out) and attends through a 4-D mask over all the
+arena's columns, causal among the fed ones. Columns not written in this call are masked; the
+buffers start zeroed and hold only KV computed since, so what a masked column holds is finite and
+weighs exactly 0. Finished rows leave as in the eager cache (the last live rows move into their
+places); when rejected drafts have left the columns sparse, every row's attended columns move to
+the right end (`StaticKV.compact`), as in the eager cache, within the same buffers. A call with
+drafts gets room for that: twice its widest context and budget, plus a spare fed width (the decode
+loop compacts before the columns are twice what its longest row attends to).
 
 On CUDA the forward of each (batch bucket, width bucket) is captured after two warm-up runs on a
 side stream (the runs write the same KV the step writes), on that stream, with Python's cyclic
@@ -78,7 +78,19 @@ class Arena:
         if self.pool is not None:
             rows = max(rows, GRAPH_ROWS)
         self.rows, self.columns, self.width, self.device = rows, columns, width, first.device
-        self.kv = [t.new_zeros(rows, t.shape[1], columns, t.shape[3]) for t in like]
+        # the layers' keys and values of one shape share a store [n, rows, heads, columns, dim],
+        # so that moving rows or columns is a few ops for every layer, not a few per layer (on a
+        # GPU each op is a launch from the host); `kv`: each layer's K and V, views of them
+        shapes: dict[tuple, list[int]] = {}
+        for i, t in enumerate(like):
+            shapes.setdefault((t.shape[1], t.shape[3], t.dtype), []).append(i)
+        self.stores: list[torch.Tensor] = []
+        views: dict[int, torch.Tensor] = {}
+        for (heads, dim, _), members in shapes.items():
+            store = like[members[0]].new_zeros(len(members), rows, heads, columns, dim)
+            self.stores.append(store)
+            views |= {i: store[k] for k, i in enumerate(members)}
+        self.kv = [views[i] for i in range(len(like))]
         self.ids = torch.zeros(rows, width, dtype=torch.long, device=self.device)
         self.positions = torch.zeros(rows, width, dtype=torch.long, device=self.device)
         self.bias = first.new_zeros(rows, 1, width, columns)
@@ -179,8 +191,8 @@ class StaticKV(DecodeCache):
         if moved is None:
             moved = (keep != torch.arange(len(keep), device=keep.device)).nonzero().squeeze(1)
         source = keep[moved]
-        for buffer in self.arena.kv:
-            buffer.index_copy_(0, moved, buffer.index_select(0, source))
+        for store in self.arena.stores:
+            store.index_copy_(1, moved, store.index_select(1, source))
 
     def drop_padding(self, attention: torch.Tensor) -> torch.Tensor:
         return attention  # the columns stay: the forwards keep their shape
@@ -193,10 +205,12 @@ class StaticKV(DecodeCache):
         """Every live row's attended columns (`attention` [B, W]) move to the right end of the
         first W' columns in order, W' the most a row attends to: → the new mask [B, W']."""
         columns = attended_columns(attention)
-        for buffer in self.arena.kv:
-            live = buffer[: len(attention)]
-            index = columns[:, None, :, None].expand(-1, live.shape[1], -1, live.shape[3])
-            live[:, :, : columns.shape[1]] = live.gather(2, index)
+        for store in self.arena.stores:
+            live = store[:, : len(attention)]  # [n, B, heads, columns, dim]
+            index = columns[None, :, None, :, None].expand(
+                live.shape[0], -1, live.shape[2], -1, live.shape[4]
+            )
+            live[:, :, :, : columns.shape[1]] = live.gather(3, index)
         return attention.gather(1, columns)
 
 
