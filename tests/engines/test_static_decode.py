@@ -6,6 +6,7 @@ a GPU is) compare that path to the eager loop on the same device."""
 
 import contextlib
 import gc
+import time
 
 import pytest
 import torch
@@ -220,6 +221,30 @@ def test_captures_are_counted_and_timed_apart_from_replays(emulated_graphs):
     metrics = static.counts.metrics()
     assert metrics["perf/decode/captures"] == len(shapes)
     assert metrics["timing_s/capture/decode"] == counts.decode_capture_seconds
+
+
+def test_the_draft_width_controller_fits_decode_forwards_without_their_captures(
+    emulated_graphs, monkeypatch
+):
+    """A capture is paid once per shape; the forwards' fitted costs price every later forward.
+    With each capture taking 0.2 s more (on an H200 27-50 ms, where the first reuse steps'
+    captures left a decode forward fitted at no cost and the trie budget verifying nothing of
+    97% reachable), the seconds the controller observes per decode iteration leave them out."""
+    capture = Arena.capture
+    monkeypatch.setattr(Arena, "capture", lambda *args: time.sleep(0.2) or capture(*args))
+    _, static = engines(init=2.0)
+    batch = requests(12, SamplingParams(1.0))
+    source = drafting([[2 + j % 10 for j in range(20)]] * len(batch))
+    observed = []
+    observe = source.width.observe_forward
+    monkeypatch.setattr(
+        source.width,
+        "observe_forward",
+        lambda rows, fed, seconds: observed.append(seconds) or observe(rows, fed, seconds),
+    )
+    static.generate_with_drafts(batch, source)
+    assert static.counts.decode_captures > 1 and len(observed) > 1
+    assert max(observed) < 0.2 < static.counts.decode_capture_seconds
 
 
 def test_a_graph_feeds_at_least_graph_rows_rows(emulated_graphs):
