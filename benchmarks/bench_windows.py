@@ -27,9 +27,10 @@ def main() -> None:
     parser.add_argument("--window", type=int, default=8)
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
-    histories = {
+    histories = {  # the arms; not the bench's untimed warm-up run (DIR/warmup)
         path.parent.name: [json.loads(line) for line in path.open() if line.strip()]
         for path in sorted(args.bench.glob("*/metrics.jsonl"))
+        if path.parent.name != "warmup"
     }
     steps = {arm: _train_steps(history) for arm, history in histories.items()}
     if "vanilla" not in steps:

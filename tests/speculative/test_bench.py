@@ -225,6 +225,30 @@ def test_a_window_says_what_its_verification_cost():
     assert "verification-free 2.00x" in window_lines({"arms": {"trie": {"windows": [window]}}})[0]
 
 
+def test_a_window_of_graph_captures_says_its_speedup_without_them():
+    """Steps 1-2: the arm spent 3 s of its 8 s capturing CUDA graphs, vanilla 1 s of 11 s: 1.38x
+    measured, 2x with both captures taken out (paid once per shape in a longer run). Steps 3-4
+    captured nothing in either arm: no such figure."""
+    from specrl.bench_summary import _windows, window_lines
+
+    def steps(pairs):
+        return [
+            {"training/global_step": s + 1, "timing_s/rollout": t, "timing_s/capture/decode": c}
+            for s, (t, c) in enumerate(pairs)
+        ]
+
+    windows = _windows(
+        steps([(5, 3), (3, 0), (2, 0), (2, 0)]), steps([(6, 1), (5, 0), (4, 0), (4, 0)]), 2
+    )
+    assert windows[0]["rollout_speedup"] == pytest.approx(11 / 8)
+    assert windows[0]["capture_s"] == 3 and windows[0]["vanilla_capture_s"] == 1
+    assert windows[0]["speedup_without_captures"] == pytest.approx(2.0)
+    assert "speedup_without_captures" not in windows[1]
+    lines = window_lines({"arms": {"trie": {"windows": windows}}})
+    assert "graph captures 3.0 s (vanilla's 1.0 s): 2.00x without them" in lines[0]
+    assert "captures" not in lines[1]
+
+
 def learning_config(tiny_policy_dir, tmp_path, *overrides):
     """4 steps of the tiny policy with LoRA and a reward its samples vary in, so it learns; the
     verification budget, adaptive drafts and the fitted grouping of verification forwards decide
