@@ -17,6 +17,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 
+import numpy as np
 import torch
 from torch.nn.utils.rnn import pad_sequence
 from transformers import DynamicCache
@@ -292,22 +293,23 @@ class DecodeTally:
     rows: int = 0
     computed_positions: int = 0
     computed_kv_reads: int = 0
-    sums: list[torch.Tensor] = field(default_factory=list)  # a forward's [positions, KV, pairs]
+    rows_fed: list[torch.Tensor] = field(default_factory=list)  # a forward's [2, R]: fed, read
 
     def add(self, attention: torch.Tensor, width: int) -> None:
         """A decode forward: each row's fed token and drafts after the context it attends to
-        (`attention` [R, W], the `width` fed columns last, every row fed that many)."""
-        fed = attention[:, -width:].sum(1)
-        reads = attention.sum(1)
-        pairs = causal_attended(fed, reads - fed)
-        self.sums.append(torch.stack([fed.sum(), reads.sum(), pairs.sum()]))
+        (`attention` [R, W], the `width` fed columns last, every row fed that many). Two ops a
+        forward (on a GPU each is a launch); the sums over rows come in `record`."""
+        fed = attention[:, -1] if width == 1 else attention[:, -width:].sum(1)
+        self.rows_fed.append(torch.stack([fed, attention.sum(1)]))
         self.forwards += 1
         self.rows += len(attention)
         self.computed_positions += len(attention) * width
         self.computed_kv_reads += attention.numel()
 
     def record(self, counts: ForwardCounts) -> None:
-        positions, kv_reads, attended = torch.stack(self.sums).sum(0).tolist()
+        fed, reads = torch.cat(self.rows_fed, 1)
+        pairs = causal_attended(fed, reads - fed)
+        positions, kv_reads, attended = torch.stack([fed.sum(), reads.sum(), pairs.sum()]).tolist()
         counts.record(
             "decode",
             self.rows,
@@ -328,6 +330,8 @@ def _accepted(sampled: torch.Tensor, fed: torch.Tensor, proposed: torch.Tensor) 
     draft token's position equals the draft d with probability p(d) (accept), and given that it
     does not, it is distributed as p with d removed and renormalised (the residual), which is
     what the row emits next. Drafts decide how many tokens a forward yields, never which ones."""
+    if fed.shape[1] == 1:  # no drafts fed: none accepted, as `proposed` says (zeros)
+        return proposed
     cols = torch.arange(fed.shape[1] - 1, device=fed.device)
     match = (sampled[:, :-1] == fed[:, 1:]) & (cols[None] < proposed[:, None])
     return match.int().cumprod(1).sum(1)
@@ -353,15 +357,16 @@ def padded_counts(attention: torch.Tensor) -> tuple[int, int]:
 def left_pad(
     sequences: Sequence[Sequence[int]], pad: int, device: torch.device
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """→ ids [B, T] and attention mask [B, T], real tokens right-aligned."""
+    """→ ids [B, T] and attention mask [B, T], real tokens right-aligned (built on the host
+    with numpy: no op per sequence)."""
     width = max(len(s) for s in sequences)
-    ids = torch.full((len(sequences), width), pad, dtype=torch.long)
-    attention = torch.zeros((len(sequences), width), dtype=torch.long)
+    ids = np.full((len(sequences), width), pad, dtype=np.int64)
+    attention = np.zeros((len(sequences), width), dtype=np.int64)
     for row, seq in enumerate(sequences):
         if seq:
-            ids[row, width - len(seq) :] = torch.tensor(seq)
+            ids[row, width - len(seq) :] = seq
             attention[row, width - len(seq) :] = 1
-    return ids.to(device), attention.to(device)
+    return torch.from_numpy(ids).to(device), torch.from_numpy(attention).to(device)
 
 
 def _hit_kv(kv: list[torch.Tensor], hits: list[Hit]) -> tuple[list[torch.Tensor], torch.Tensor]:

@@ -286,20 +286,25 @@ class StaticDecode:
         live, fed = ids.shape
         context = attention.shape[1] - fed  # the first fed column
         rows, width = arena.rows_bucket(live), arena.width_bucket(fed)
+        padded, idle = fed < width, live < rows  # (an op on an empty slice is still a launch)
         arena.ids[:live, :fed] = ids
-        arena.ids[:live, fed:width] = self.pad_token_id
-        arena.ids[live:rows, :width] = self.pad_token_id
         arena.positions[:live, :fed] = positions
-        arena.positions[:live, fed:width] = positions[:, -1:]
-        arena.positions[live:rows, :width] = 0
+        if padded:
+            arena.ids[:live, fed:width] = self.pad_token_id
+            arena.positions[:live, fed:width] = positions[:, -1:]
+        if idle:
+            arena.ids[live:rows, :width] = self.pad_token_id
+            arena.positions[live:rows, :width] = 0
         bias = arena.bias[:rows, 0, :width]  # [rows, width, columns]
         bias.fill_(torch.finfo(bias.dtype).min)
         steps = arena.steps
         causal = steps[None, : attention.shape[1]] <= context + steps[:fed, None]
         allowed = attention.bool()[:, None, :] & causal[None]  # [B, K+1, W]
         bias[:live, :fed, : attention.shape[1]].masked_fill_(allowed, 0.0)
-        bias[:live, fed:width] = bias[:live, fed - 1 : fed]  # padding attends as the last fed
-        bias[live:, :, 0] = 0.0  # idle rows attend to one column: no row is all masked
+        if padded:  # padding attends as the last fed column
+            bias[:live, fed:width] = bias[:live, fed - 1 : fed]
+        if idle:  # idle rows attend to one column: no row is all masked
+            bias[live:, :, 0] = 0.0
         torch.add(steps[: arena.width], context, out=arena.fed)
         if arena.uncaptured(rows, width):
             capture_started = time.perf_counter()
