@@ -18,6 +18,7 @@ from specrl.run_dir import heldout_metric
 from specrl.speculative.stats import RolloutStats
 
 WINDOW_STEPS = 8  # steps per window of the per-window figures
+CAPTURES = ("capture_s", "vanilla_capture_s", "speedup_without_captures")  # docs/performance.md
 EPOCH0_TOLERANCE = 0.15  # the arms' first epochs, the same work, may differ this much
 
 
@@ -203,11 +204,7 @@ def _windows(
     `verify_free_speedup` is the speedup had verification taken no time (its forwards, walks
     and host work; the prompts' prefill, which a trie pass includes, at vanilla's cost), at the
     reuse the arm got; `reachable_token_ratio` the share of the response tokens a walk of the
-    whole tries would have reused (what the budget's pruning left). Where either arm captured
-    CUDA graphs in the window (`rollout.static_decode`), `capture_s` and `vanilla_capture_s` are
-    those seconds, and `speedup_without_captures` the speedup with both arms' taken out: a graph
-    is captured once per shape an arena meets, so a short bench's first reuse steps pay what a
-    long run pays once (its later steps show that figure)."""
+    whole tries would have reused (what the budget's pruning left); with graphs, `CAPTURES`."""
     last = int(max((m["training/global_step"] for m in steps), default=0))
     out = []
     for first in range(1, last + 1, window):
@@ -219,8 +216,7 @@ def _windows(
         vanilla_s = _total(theirs, "timing_s/rollout")
         speedup = vanilla_s / max(rollout_s, 1e-9)
         log_se = _paired_log_se(mine, theirs)
-        capture_s = _total(mine, "timing_s/capture/decode")
-        vanilla_capture_s = _total(theirs, "timing_s/capture/decode")
+        captures = [_total(arm, "timing_s/capture/decode") for arm in (mine, theirs)]
         out.append(
             {
                 "steps": f"{first}-{end}",
@@ -242,13 +238,9 @@ def _windows(
                 "reused_tokens": total.reused_tokens,
             }
         )
-        if capture_s or vanilla_capture_s:
-            out[-1] |= {
-                "capture_s": capture_s,
-                "vanilla_capture_s": vanilla_capture_s,
-                "speedup_without_captures": (vanilla_s - vanilla_capture_s)
-                / max(rollout_s - capture_s, 1e-9),
-            }
+        if any(captures):
+            without = (vanilla_s - captures[1]) / max(rollout_s - captures[0], 1e-9)
+            out[-1] |= dict(zip(CAPTURES, [*captures, without], strict=True))
         identical = [
             m["bench/identical_responses"] for m in mine if "bench/identical_responses" in m
         ]
@@ -284,9 +276,9 @@ def window_lines(result: dict[str, Any]) -> list[str]:
                     else ""
                 )
                 + (
-                    f", graph captures {w['capture_s']:.1f} s (vanilla's "
-                    f"{w['vanilla_capture_s']:.1f} s): {w['speedup_without_captures']:.2f}x "
-                    "without them"
+                    ", graph captures {:.1f} s (vanilla's {:.1f} s): {:.2f}x without them".format(
+                        *map(w.get, CAPTURES)
+                    )
                     if "capture_s" in w
                     else ""
                 )
