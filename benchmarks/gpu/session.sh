@@ -2,8 +2,9 @@
 # One lent GPU's checks of the static-shape decode path, in one call of the device tool (under
 # 10 minutes): the tests marked gpu (CUDA graphs against the eager loop, with and without
 # drafts), then benchmarks/gpu/run.sh with rollout.static_decode (CUDA graphs) on the default 25M
-# policy, arms vanilla, trie and tree (the trie arm's tails and the tree arm decode with tree
-# drafts, as graphs since c54416f), and on the 268M policy, arms vanilla and trie; then both
+# policy and on the 268M policy, arms vanilla, trie and tree (the trie arm's tails and the tree arm
+# decode with tree drafts, as graphs since c54416f; at 315af38 the tree arm, which never verifies,
+# was the fastest graph arm at 25M; the 268M part took 168 s with two arms); then both
 # sizes' arms vanilla and trie without graphs (eager-25m, eager-268m; the policies from the
 # cache; on an H200 at 680f630 the first three took 370 s with the tests, eager-268m alone 165 s
 # with its policy built). PARTS picks the parts, in order (default "graphs-25m graphs-268m
@@ -61,7 +62,7 @@ for name in ${PARTS:-graphs-25m graphs-268m eager-25m eager-268m}; do
     lookup-25m) part "$name" 150 STATIC_DECODE=1 STEPS=12 TRAIN_SIZE=128 ARMS=${ARMS:-vanilla,trie} \
       EXTRA=rollout.spec.tree.prompt_lookup=3 ;;
     graphs-268m) part "$name" 230 STATIC_DECODE=1 HIDDEN=1024 LAYERS=16 HEADS=16 SFT_STEPS=400 \
-      SFT_LR=5e-4 STEPS=8 TRAIN_SIZE=64 ARMS=${ARMS:-vanilla,trie} ;;
+      SFT_LR=5e-4 STEPS=8 TRAIN_SIZE=64 ARMS=${ARMS:-vanilla,trie,tree} ;;
     eager-268m) part "$name" 200 HIDDEN=1024 LAYERS=16 HEADS=16 SFT_STEPS=400 SFT_LR=5e-4 \
       STEPS=8 TRAIN_SIZE=64 ARMS=${ARMS:-vanilla,trie} ;;
     # the profile; the bench after it is cut off by the part's limit
