@@ -298,7 +298,7 @@ class DecodeTally:
     def add(self, attention: torch.Tensor, width: int) -> None:
         """A decode forward: each row's fed token and drafts after the context it attends to
         (`attention` [R, W], the `width` fed columns last, every row fed that many). Two ops a
-        forward (on a GPU each is a launch); the sums over rows come in `record`."""
+        forward, three with drafts (on a GPU each is a launch); the sums come in `record`."""
         fed = attention[:, -1] if width == 1 else attention[:, -width:].sum(1)
         self.rows_fed.append(torch.stack([fed, attention.sum(1)]))
         self.forwards += 1
