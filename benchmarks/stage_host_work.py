@@ -44,11 +44,9 @@ class NothingPays(TrieBudget):
         return 0.0
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--calls", type=int, default=12)
-    parser.add_argument("--slots", type=int, default=4)
-    args = parser.parse_args()
+def builtin_engine() -> tuple[HFEngine, list]:
+    """The built-in policy on the transformers engine, one torch thread, and the built-in task's
+    first 32 training prompts (seed 1)."""
     torch.set_num_threads(1)
     with tempfile.TemporaryDirectory() as out:
         cfg = load_config(None, [f"trainer.output_dir={out}", "trainer.logger=[jsonl]"])
@@ -56,6 +54,15 @@ def main() -> None:
     policy, tokenizer = load_policy(model_dir, "float32")
     prompts = load_prompts(cfg.data, tokenizer, 1, print)[0][:32]
     engine = HFEngine(policy.eval(), eos_token_ids(policy, tokenizer), tokenizer.pad_token_id)
+    return engine, prompts
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--calls", type=int, default=12)
+    parser.add_argument("--slots", type=int, default=4)
+    args = parser.parse_args()
+    engine, prompts = builtin_engine()
     sampling = SamplingParams(1.0)
     trie = SpecConfig(reuse="trie", tree=TreeConfig(enabled=False))
     stages = {

@@ -8,19 +8,15 @@ the engine's host milliseconds (wall less its forwards), d934d1f's decode.py (fr
 import importlib.util
 import statistics
 import sys
-import tempfile
 import time
+from pathlib import Path
 
-import torch
-
-from specrl.config import load_config
-from specrl.data import load_prompts
 from specrl.engines import GenRequest, SamplingParams
-from specrl.engines.hf import HFEngine
 from specrl.engines.hf import decode as new
 from specrl.engines.hf import engine as engine_module
-from specrl.models import eos_token_ids, load_policy
-from specrl.trainer import Trainer
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/
+from stage_host_work import builtin_engine
 
 spec = importlib.util.spec_from_file_location(
     "decode_old", "/tmp/wt-old/specrl/engines/hf/decode.py"
@@ -28,13 +24,7 @@ spec = importlib.util.spec_from_file_location(
 old = importlib.util.module_from_spec(spec)
 sys.modules["decode_old"] = old
 spec.loader.exec_module(old)
-torch.set_num_threads(1)
-with tempfile.TemporaryDirectory() as out:
-    cfg = load_config(None, [f"trainer.output_dir={out}", "trainer.logger=[jsonl]"])
-    model_dir = Trainer(cfg).run.model_dir
-policy, tokenizer = load_policy(model_dir, "float32")
-prompts = load_prompts(cfg.data, tokenizer, 1, print)[0][:32]
-engine = HFEngine(policy.eval(), eos_token_ids(policy, tokenizer), tokenizer.pad_token_id)
+engine, prompts = builtin_engine()
 host = {"old": [], "new": []}
 for call in range(16):
     turns = [("old", old), ("new", new)]
