@@ -51,9 +51,9 @@ def main() -> None:
     emulate_graphs(setattr)
     capture = Arena.capture
 
-    def slow_capture(self, model, rows, width):
+    def slow_capture(self, model, shape):
         time.sleep(args.capture_s)
-        return capture(self, model, rows, width)
+        return capture(self, model, shape)
 
     Arena.capture = slow_capture
     load = os.getloadavg()

@@ -34,7 +34,8 @@ import torch
 from specrl.engines import GenRequest, SamplingParams
 from specrl.engines.hf import HFEngine
 from specrl.models import load_policy, resolve_model_path
-from specrl.speculative.drafting import DraftWidth, TimedDecoding
+from specrl.speculative.draft_width import DraftWidth
+from specrl.speculative.drafting import TimedDecoding
 
 ROWS = range(1, 17)
 

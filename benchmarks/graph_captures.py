@@ -1,9 +1,9 @@
 """The CUDA graphs a static-decode run would capture, counted on the CPU: a run of `specrl train`
-with `rollout.static_decode=true`, counting per step the arenas built (on CUDA each one captures
-every graph again), the (rows, fed width) shapes first fed to each arena (one capture each on CUDA:
-two warm-up forwards and the capture; `shapes`: which) and the decode forwards, and over the run
-how many forwards each captured shape served (`uses`: shapes by their count of forwards, per
-arena).
+with `rollout.static_decode=true`, counting per step (step 0: before the first, where the engine
+captures every shape of the run's largest call) the arenas built, the (rows, fed width, attended
+columns) shapes captured (on CUDA two warm-up forwards and the capture each; `shapes`: which) and
+the decode forwards, and over the run how many forwards each shape served (`uses`: shapes by
+their count of forwards, per arena; shapes captured and never fed are not counted there).
 
     python benchmarks/graph_captures.py --out FILE [CONFIG OVERRIDES...]
 
@@ -42,8 +42,9 @@ def count(overrides: list[str]) -> dict:
     from tests.engines.graphs import emulate_graphs
 
     emulate_graphs(patch)  # the arenas' shapes as on CUDA (GRAPH_ROWS rows at least)
-    init, logits, begin_step = (
+    init, capture, logits, begin_step = (
         static_decode.Arena.__init__,
+        static_decode.Arena.capture,
         static_decode.Arena.logits,
         trainer.Trainer.begin_step,
     )
@@ -52,29 +53,33 @@ def count(overrides: list[str]) -> dict:
         init(self, like, rows, columns, width)
         events.append(("arenas", (rows, columns, width)))
 
-    def counted_logits(self, model, rows, width):
-        if (rows, width) not in shapes[id(self)]:
-            events.append(("captures", (rows, width)))
-        shapes[id(self)][rows, width] += 1
+    def counted_capture(self, model, shape):
+        events.append(("captures", shape))
+        return capture(self, model, shape)
+
+    def counted_logits(self, model, shape):
+        shapes[id(self)][shape] += 1
         events.append(("forwards", None))
-        return logits(self, model, rows, width)
+        return logits(self, model, shape)
 
     def marked_step(self):
         events.append(("step", None))
         return begin_step(self)
 
     static_decode.Arena.__init__ = counted_init
+    static_decode.Arena.capture = counted_capture
     static_decode.Arena.logits = counted_logits
     trainer.Trainer.begin_step = marked_step
     try:
         specrl_main(["train", "rollout.static_decode=true", *overrides])
     finally:
         static_decode.Arena.__init__, static_decode.Arena.logits = init, logits
+        static_decode.Arena.capture = capture
         trainer.Trainer.begin_step = begin_step
         for owner, name, value in reversed(replaced):
             setattr(owner, name, value)
     steps: list[collections.Counter] = [collections.Counter()]  # [0]: before the first step
-    captured: list[list[list[int]]] = [[]]  # per step, the (rows, width) shapes captured
+    captured: list[list[list[int]]] = [[]]  # per step, the shapes captured
     for kind, shape in events:
         if kind == "step":
             steps.append(collections.Counter())

@@ -35,7 +35,12 @@ from specrl.data import PromptLoader, format_prompts, read_splits, tokenize_spli
 from specrl.distributed.learner import CriticOnRanks, LearnerGroup
 from specrl.distributed.rollout import RolloutWorkers
 from specrl.engines import SamplingParams
-from specrl.engines.build import build_engine, engine_kind, logprobs_are_the_trainers
+from specrl.engines.build import (
+    build_engine,
+    engine_kind,
+    largest_call,
+    logprobs_are_the_trainers,
+)
 from specrl.episodes.env import load_environment
 from specrl.episodes.runner import EpisodeLoop
 from specrl.errors import UserError
@@ -217,7 +222,8 @@ def build_run(cfg: Config, tracker: Tracker | None = None) -> Run:
     if cfg.rollout.num_workers:
         rollouts = RolloutWorkers(cfg, engine_dir, eos_ids, pad_id, sampling, log)
     else:
-        engine = build_engine(cfg, actor.policy, eos_ids, pad_id, engine_dir)
+        largest = largest_call(cfg, train, val_prompts)
+        engine = build_engine(cfg, actor.policy, eos_ids, pad_id, engine_dir, largest, log)
         R = cfg.data.max_response_length
         stage = SpeculativeStage(engine, sampling, R, cfg.rollout.spec)
         rollouts = InProcessRollouts(engine, stage, episodes)

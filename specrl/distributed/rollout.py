@@ -315,9 +315,7 @@ class RolloutWorkers:
         """The stage's checkpoint format: every prompt's drafts and tree, and the workers' draft
         width statistics averaged."""
         self.collect_run_ahead()
-        widths = list(self.draft_widths.values())
-        width = {key: np.mean([s[key] for s in widths], axis=0) for key in widths[0]}
-        return {**self.shards.state_dict(), "draft_width": width}
+        return {**self.shards.state_dict(), "draft_width": _mean(list(self.draft_widths.values()))}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Resume: every prompt's state waits here for the worker the planner gives it to."""
@@ -330,3 +328,12 @@ class RolloutWorkers:
         self._ray.get(
             [self.handles[w].load_draft_width.remote(state["draft_width"]) for w in self.live]
         )
+
+
+def _mean(states: list[Any]) -> Any:
+    """The workers' states averaged: arrays and numbers elementwise, dicts (a draft width's
+    statistics, its per-span fits) key by key over the workers that have the key."""
+    if isinstance(states[0], dict):
+        keys = dict.fromkeys(k for state in states for k in state)
+        return {k: _mean([state[k] for state in states if k in state]) for k in keys}
+    return np.mean(states, axis=0)

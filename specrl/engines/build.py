@@ -3,6 +3,7 @@ each engine is (`EngineKind`): the one place that knows engines by name."""
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
@@ -17,6 +18,7 @@ from specrl.engines.hf import HFEngine
 from specrl.engines.protocol import RolloutEngine, SamplingParams
 from specrl.lora import rollout_weights, with_adapters
 from specrl.models import load_policy
+from specrl.types import Prompt
 
 
 @dataclass(frozen=True)
@@ -67,25 +69,63 @@ def describe_engine(name: str) -> str:
 
 
 def build_engine(
-    cfg: Config, policy: PreTrainedModel, eos_ids: list[int], pad_id: int, model_dir: Path
+    cfg: Config,
+    policy: PreTrainedModel,
+    eos_ids: list[int],
+    pad_id: int,
+    model_dir: Path,
+    largest: tuple[int, int] | None = None,
+    log: Callable[[str], None] | None = None,
 ) -> RolloutEngine:
     """hf wraps the trainer's own model object: weights are shared, so the sync after each update
     copies nothing. vllm loads `model_dir` (with LoRA: the base model) and then takes the
-    policy's current weights."""
+    policy's current weights. `largest`: the run's `largest_call` (see `hf_engine`)."""
     if cfg.rollout.name == "hf":
-        return hf_engine(cfg, policy, eos_ids, pad_id)
+        return hf_engine(cfg, policy, eos_ids, pad_id, largest, log)
     engine = _vllm_engine(cfg, eos_ids, model_dir)
     engine.load_weights(rollout_weights(policy, engine_kind(cfg.rollout.name).lora_adapters))
     return engine
 
 
-def hf_engine(cfg: Config, policy: PreTrainedModel, eos_ids: list[int], pad_id: int) -> HFEngine:
-    """The transformers engine over `policy`, as the config's rollout section sets it up."""
+def largest_call(cfg: Config, train: Sequence[Prompt], val: Sequence[Prompt]) -> tuple[int, int]:
+    """(rows, context tokens) of the largest decode call a run over these prompts makes: its
+    training batch's slots or its evaluation batch's prompts, whichever are more (at most
+    `rollout.max_batch_size`), and its longest prompt."""
+    data = cfg.data
+    rows = max(data.train_batch_size * cfg.rollout.n, min(data.val_batch_size, len(val)))
+    return min(cfg.rollout.max_batch_size, rows), max(len(p.ids) for p in [*train, *val])
+
+
+def hf_engine(
+    cfg: Config,
+    policy: PreTrainedModel,
+    eos_ids: list[int],
+    pad_id: int,
+    largest: tuple[int, int] | None = None,
+    log: Callable[[str], None] | None = None,
+) -> HFEngine:
+    """The transformers engine over `policy`, as the config's rollout section sets it up. With
+    static decoding on CUDA and the run's `largest_call` given, its decode graphs are captured
+    here, before any step: for calls of up to that many rows, contexts of that many prompt
+    tokens (and with speculation a reused prefix up to the response budget), the budget to
+    decode, every draft width its speculation feeds."""
     rollout = cfg.rollout
-    return HFEngine(
+    engine = HFEngine(
         policy, eos_ids, pad_id, rollout.max_batch_size, rollout.static_decode,
         fitted_batching=rollout.verify_batching == "fitted",
     )  # fmt: skip
+    if engine.static is not None and largest is not None:
+        rows, prompt = largest
+        spec, budget = rollout.spec, cfg.data.max_response_length
+        captured, seconds = engine.static.capture_all(
+            rows,
+            prompt + budget if spec.enabled else prompt,  # a reused prefix before decoding
+            budget,
+            spec.tree.max_draft_tokens + 1 if spec.decodes_with_drafts() else 1,
+        )
+        if captured and log is not None:
+            log(f"rollout: {captured} decode CUDA graphs captured in {seconds:.1f} s")
+    return engine
 
 
 def build_worker_engine(

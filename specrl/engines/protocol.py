@@ -169,15 +169,17 @@ class Drafter(Protocol):
     `observe` with what was accepted, how many sequences and positions the forward computed and
     how long it took; `finished` per sequence. An engine whose sequences decode together in one
     loop reports each loop (`observe_loop`: its forwards, its longest sequence's new tokens,
-    the draft tokens accepted per sequence summed over its forwards)."""
+    the draft tokens accepted per sequence summed over its forwards). One whose forwards' cost
+    steps with the KV columns they attend (static decoding's column buckets) gives that `span`
+    with each question and observation; None elsewhere."""
 
     max_tokens: int
 
-    def worthwhile(self, batch_size: int) -> bool: ...
+    def worthwhile(self, batch_size: int, span: int | None = None) -> bool: ...
 
     def propose(self, request: int, new_tokens: Sequence[int], max_tokens: int) -> list[int]: ...
 
-    def choose(self, lengths: Sequence[int]) -> int: ...
+    def choose(self, lengths: Sequence[int], span: int | None = None) -> int: ...
 
     def observe(
         self,
@@ -186,6 +188,7 @@ class Drafter(Protocol):
         sequences: int,
         fed_tokens: int,
         seconds: float,
+        span: int | None = None,
     ) -> None: ...
 
     def observe_loop(self, forwards: int, longest: int, accepted_per_sequence: float) -> None: ...

@@ -31,13 +31,8 @@ from specrl.engines import (
 from specrl.errors import UserError
 from specrl.rollouts import SlotRequest, rollout_seed, sample_rollouts
 from specrl.speculative.acceptance import acceptance_rule
-from specrl.speculative.drafting import (
-    Drafting,
-    DraftSource,
-    DraftWidth,
-    TimedDecoding,
-    TreeDrafts,
-)
+from specrl.speculative.draft_width import DraftWidth
+from specrl.speculative.drafting import Drafting, DraftSource, TimedDecoding, TreeDrafts
 from specrl.speculative.lookup import FirstProposal, PromptLookup
 from specrl.speculative.prompt_state import PromptState
 from specrl.speculative.reuse import reuse_strategy

@@ -1,6 +1,6 @@
 """CUDA graphs emulated on the CPU, for tests and `benchmarks/graph_captures.py`: an arena's
 forwards are captured and replayed as on CUDA (a capture runs the forward, a replay runs it again
-into the captured output), so the graph path's shapes, counts and tokens can be checked here."""
+into the arena's output buffer), so the graph path's shapes, counts and tokens can be checked here."""
 
 from specrl.engines.hf import static_decode
 from specrl.engines.hf.static_decode import Arena
@@ -11,12 +11,10 @@ class Graph:
         self.replay = replay
 
 
-def capture(self: Arena, model, rows: int, width: int) -> None:
-    logits = self._run(model, rows, width)
-    self.graphs[rows, width] = (
-        Graph(lambda: logits.copy_(self._run(model, rows, width))),
-        logits,
-    )
+def capture(self: Arena, model, shape: tuple[int, int, int]) -> None:
+    out = self.output(shape, self._run(model, shape))
+    out.copy_(self._run(model, shape))
+    self.graphs[shape] = Graph(lambda: out.copy_(self._run(model, shape))), out
 
 
 def emulate_graphs(setattr) -> None:

@@ -10,7 +10,8 @@ import torch
 from specrl.engines import GREEDY, GenRequest, SamplingParams
 from specrl.engines.hf import HFEngine
 from specrl.engines.hf.kv_cache import DecodeCache
-from specrl.speculative.drafting import Drafting, DraftWidth
+from specrl.speculative.draft_width import DraftWidth
+from specrl.speculative.drafting import Drafting
 from tests.conftest import EOS, PAD, make_tiny_model
 
 PROMPTS = [[3, 4, 5], [6, 7], [2, 3, 4, 5, 6, 7], [8], [9, 10, 11]]
@@ -250,3 +251,27 @@ def test_the_decode_loop_reports_the_forwards_its_drafts_removed(engine):
     assert longest == max(len(r.token_ids) for r in drafted)
     assert forwards == max(r.forwards for r in drafted) < longest
     assert 0 < accepted_per_sequence <= sum(r.accepted_tokens for r in drafted)
+
+
+def test_draft_width_fits_each_span_of_attended_columns_apart():
+    """Static decoding: a forward's cost steps with the columns it attends, and a reuse step's
+    forwards (with drafts) attend longer contexts than the plain ones before it. Pooled, that
+    step reads as the drafts' cost; fitted per span, each span's forwards price its own K, the
+    pooled fit standing in for a span not seen yet (and for the budgets: `cost()`)."""
+    spans, pooled = DraftWidth(8), DraftWidth(8)
+    for width, wide, narrow in ((spans, 512, 64), (pooled, None, None)):
+        for _ in range(3):  # plain forwards over short contexts
+            for b in (1, 4, 16, 64):
+                width.observe_forward(b, b, 1e-3 + 2e-5 * b, narrow)
+        for b in (1, 4, 16, 64):  # a reuse step's, over long ones
+            for k in (0, 1, 2):
+                width.observe_forward(b, b * (k + 1), 3e-3 + 6e-5 * b + 1e-6 * b * k, wide)
+        width.observe_drafts([8] * 100, [2] * 100)  # α ≈ 2/3
+    assert spans.cost(512) == pytest.approx((3e-3, 6e-5, 1e-6, 0.0), abs=1e-9)
+    assert spans.cost(64) == pytest.approx((1e-3, 2e-5, None, None), abs=1e-9)
+    assert spans.cost() == pooled.cost() and spans.cost(128) == pooled.cost()
+    assert pooled.cost()[3] > 1e-3  # the long contexts' cost, taken for verifying drafts
+    assert spans.choose([8] * 16, 512) == 8 > pooled.choose([8] * 16)
+    again = DraftWidth(8)
+    again.load_state_dict(spans.state_dict())
+    assert again.cost(512) == spans.cost(512) and again.cost() == spans.cost()

@@ -8,7 +8,8 @@ import numpy as np
 
 from specrl.engines import GenResult
 from specrl.engines.vllm.proposer import DraftSession, Proposer
-from specrl.speculative.drafting import Drafting, DraftWidth, StoredDrafts, TreeDrafts
+from specrl.speculative.draft_width import DraftWidth
+from specrl.speculative.drafting import Drafting, StoredDrafts, TreeDrafts
 from specrl.speculative.token_trees import TokenTree
 
 WIDTH = 16  # columns of the recorded token_ids_cpu array

@@ -70,8 +70,9 @@ def test_a_buckets_graph_is_captured_once_and_replayed_in_later_calls(device):
     static.generate(requests(13, SamplingParams(1.0)))
     arena = static.static.arena
     captured = {shape: graph for shape, (graph, _) in arena.graphs.items()}
-    assert {rows for rows, _ in captured} <= {1, 2, 4, 8, 16} and (16, 1) in captured
-    assert {width for _, width in captured} == {1}  # plain decoding feeds one column
+    assert {rows for rows, _, _ in captured} <= {1, 2, 4, 8, 16}
+    assert (16, 1, COLUMN_BUCKET) in captured
+    assert {width for _, width, _ in captured} == {1}  # plain decoding feeds one column
     first = static.generate(requests(13, SamplingParams(1.0)))
     assert static.static.arena is arena
     assert {shape: graph for shape, (graph, _) in arena.graphs.items()} == captured
@@ -182,13 +183,14 @@ def test_a_capture_pauses_the_cyclic_collector_and_leaves_the_allocators_cache(m
     monkeypatch.setattr(torch.cuda, "current_stream", Stream)
     monkeypatch.setattr(torch.cuda, "stream", lambda stream: contextlib.nullcontext())
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda: seen.append("emptied"))
-    monkeypatch.setattr(Arena, "_run", lambda self, model, rows, width: torch.zeros(rows, width))
+    monkeypatch.setattr(Arena, "_run", lambda self, model, shape: torch.ones(*shape[:2], 3))
     arena = Arena([torch.zeros(1, 1, 1, 1)] * 2, rows=1, columns=1, width=1)
     assert gc.isenabled()
-    arena.capture(None, 1, 1)
+    arena.capture(None, (1, 1, 1))
     assert seen == [("begin", False), ("end", False)] and gc.isenabled()
-    graph, logits = arena.graphs[1, 1]
-    assert isinstance(graph, Graph) and logits.shape == (1, 1)
+    graph, logits = arena.graphs[1, 1, 1]
+    assert isinstance(graph, Graph) and logits.shape == (1, 1, 3)
+    assert logits.data_ptr() == arena.out.data_ptr()  # into the arena's one output
 
 
 @pytest.fixture
@@ -231,7 +233,9 @@ def test_the_draft_width_controller_fits_decode_forwards_without_their_captures(
     monkeypatch.setattr(
         source.width,
         "observe_forward",
-        lambda rows, fed, seconds: observed.append(seconds) or observe(rows, fed, seconds),
+        lambda rows, fed, seconds, span: (
+            observed.append(seconds) or observe(rows, fed, seconds, span)
+        ),
     )
     static.generate_with_drafts(batch, source)
     assert static.counts.decode_captures > 1 and len(observed) > 1
@@ -246,7 +250,7 @@ def test_a_graph_feeds_at_least_graph_rows_rows(emulated_graphs):
     eager, static = engines(init=0.3)
     batch = requests(13, SamplingParams(1.0))
     assert_same(eager.generate(batch), static.generate(batch))
-    assert set(static.static.arena.graphs) == {(GRAPH_ROWS, 1)}
+    assert set(static.static.arena.graphs) == {(GRAPH_ROWS, 1, COLUMN_BUCKET)}
     assert static.counts.decode_captures == 1
 
 
@@ -276,7 +280,7 @@ def test_static_decoding_with_drafts_samples_the_eager_loops_tokens(device, monk
     calls, compact = [], StaticKV.compact
     monkeypatch.setattr(StaticKV, "compact", lambda *a: calls.append(1) or compact(*a))
     widths, run = [], Arena._run
-    monkeypatch.setattr(Arena, "_run", lambda *a: widths.append(a[3]) or run(*a))
+    monkeypatch.setattr(Arena, "_run", lambda *a: widths.append(a[2][1]) or run(*a))
     sampling = SamplingParams(1.0)
     long = [GenRequest(r.prompt_ids, 60, sampling, seed=r.seed) for r in requests(13, sampling)]
     for batch in (requests(13, sampling), long):
@@ -355,3 +359,79 @@ def test_the_cost_model_prices_captures_at_what_the_calibration_paid(emulated_gr
     step.add_capture(0.1)
     step.add_capture(0.1)
     assert step_seconds(step, shape, machine) == pytest.approx(plain + 2 * machine.capture_s)
+
+
+def test_a_forward_attends_the_columns_written_so_far_in_a_power_of_two():
+    """The arena's columns are what its largest call needs; a forward attends only the first
+    columns that hold its rows' KV and what it writes, in a power of two (at least
+    `COLUMN_BUCKET`): as a row decodes, its forwards' masks widen 64 → 128, the tokens the eager
+    loop's."""
+    model = make_tiny_model(init=0.3)
+    eager, static = (HFEngine(model, [999], PAD, static_decode=s) for s in (False, True))
+    batch = [GenRequest([2, 3, 4], 120, SamplingParams(1.0), seed=5)]
+    masks = []
+    hook = model.register_forward_pre_hook(
+        lambda _, args, kwargs: masks.append(kwargs["attention_mask"].shape[-1]), with_kwargs=True
+    )
+    try:
+        assert_same(eager.generate(batch), static.generate(batch))
+    finally:
+        hook.remove()
+    decode = masks[len(masks) // 2 + 1 :]  # the static call's decode forwards
+    assert static.static.arena.columns == 128
+    assert decode == sorted(decode) and set(decode) == {COLUMN_BUCKET, 128}
+
+
+def test_graphs_captured_before_the_first_call_serve_every_later_forward(emulated_graphs):
+    """`capture_all`, run as the engine is built: the arena of the run's largest call and a graph
+    of every shape its forwards can take (rows, fed width, attended columns), not counted as a
+    step's. A speculative stage's steps (history tries walked, tree drafts in the tails) then
+    capture none and decode in that arena, sampling the eager engine's tokens."""
+    prompts = [Prompt((2, 3, 4 + i % 7, 5 + i % 3), Example(f"p{i}", "", "t")) for i in range(6)]
+    eager, static = engines(init=0.5)
+    captured, seconds = static.static.capture_all(24, 4 + 12, 12, 9)
+    arena = static.static.arena
+    shapes = {(r, w, c) for r in (16, 32) for w in (1, 2, 4, 8, 9) for c in (64, 128)}
+    assert set(arena.graphs) == set(arena.shapes()) == shapes
+    assert captured == len(shapes) and seconds > 0 and static.counts.decode_captures == 0
+    cfg = SpecConfig(reuse="trie", verify_budget=False, tree=TreeConfig(enabled=True))
+    stages = [SpeculativeStage(e, SamplingParams(1.0), 12, cfg) for e in (eager, static)]
+    for step in range(3):
+        (eager_rollouts, stats), (static_rollouts, _) = (
+            s(prompts, 4, (1, step, 0), step) for s in stages
+        )
+        for a, b in zip(eager_rollouts, static_rollouts, strict=True):
+            assert a.token_ids == b.token_ids
+    assert stats.reused_tokens > 0 and static.counts.decode_forwards > 0
+    assert static.counts.decode_captures == 0 and static.static.arena is arena
+
+
+@pytest.mark.parametrize("speculative", [False, True])
+def test_the_engine_is_built_with_the_graphs_of_its_runs_largest_call(emulated_graphs, speculative):
+    """`hf_engine` with static decoding and the run's `largest_call`: the arena holds its
+    training batch's slots or its evaluation batch, whichever has more rows, contexts of its
+    longest prompt (with speculation, and a reused prefix up to the response budget) and the
+    budget, fed as wide as its drafts; one line says what the captures took."""
+    from specrl.config import load_config
+    from specrl.engines.build import hf_engine, largest_call
+
+    overrides = [
+        "rollout.static_decode=true", f"rollout.spec.enabled={speculative}",
+        "data.train_batch_size=2", "rollout.n=4", "data.val_batch_size=12",
+        "data.max_response_length=16", "actor.ppo_mini_batch_size=2",
+    ]  # fmt: skip
+    cfg = load_config(None, overrides)
+    train = [Prompt(tuple(range(2, 2 + n)), Example(f"t{n}", "", "t")) for n in (3, 9)]
+    val = [Prompt((2, 3), Example(f"v{i}", "", "t")) for i in range(10)]
+    assert largest_call(cfg, train, val) == (10, 9)  # 2 · 4 slots, 10 of 12 evaluated
+    lines = []
+    engine = hf_engine(
+        cfg, make_tiny_model(), [EOS], PAD, largest_call(cfg, train, val), lines.append
+    )
+    arena = engine.static.arena
+    width = 9 if speculative else 1
+    needed = 9 + 16 + 16 if speculative else 9 + 16
+    assert (arena.rows, arena.width) == (GRAPH_ROWS, width)
+    assert arena.columns == max(bucket(2 * needed + 32 + width if speculative else needed), 64)
+    assert set(arena.graphs) == set(arena.shapes())
+    assert lines == [lines[0]] and f"{len(arena.graphs)} decode CUDA graphs captured" in lines[0]

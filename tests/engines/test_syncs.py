@@ -165,9 +165,9 @@ def test_a_static_decode_forward_syncs_nothing(counted, monkeypatch):
 
     run, forwards = Arena._run, []
 
-    def counted_run(self, model, rows, width):
+    def counted_run(self, model, shape):
         logits = []
-        forwards.append((width, counted(lambda: logits.append(run(self, model, rows, width)))))
+        forwards.append((shape[1], counted(lambda: logits.append(run(self, model, shape)))))
         return logits[0]
 
     monkeypatch.setattr(Arena, "_run", counted_run)

@@ -14,7 +14,8 @@ from specrl.config import SpecConfig, TreeConfig
 from specrl.engines import GREEDY, GenRequest, LogprobRequest, SamplingParams
 from specrl.engines.hf import HFEngine
 from specrl.rollouts import sample_rollouts
-from specrl.speculative.drafting import Drafting, DraftWidth, TreeDrafts
+from specrl.speculative.draft_width import DraftWidth
+from specrl.speculative.drafting import Drafting, TreeDrafts
 from specrl.speculative.lookup import PromptLookup
 from specrl.speculative.stage import SpeculativeStage
 from specrl.speculative.token_trees import TokenTree

@@ -14,7 +14,7 @@ from specrl.engines import GREEDY, GenRequest, LogprobRequest, SamplingParams, T
 from specrl.engines.accounting import ForwardCounts
 from specrl.engines.hf import HFEngine
 from specrl.rollouts import sample_rollouts
-from specrl.speculative.drafting import DraftWidth
+from specrl.speculative.draft_width import DraftWidth
 from specrl.speculative.reuse.budget import TrieBudget
 from specrl.speculative.reuse.trie import reachable
 from specrl.speculative.reuse.walkers import DRIFT_BUCKETS, drift_bucket, expected_walkers

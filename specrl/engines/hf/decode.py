@@ -5,8 +5,7 @@ Batches are left-padded; every sequence keeps its own position ids, so padding n
 result. A sequence that finishes leaves the batch and its rows leave the KV cache: it costs
 nothing afterwards. On the CPU the sequences of one context (a prompt's slots) share one row
 until they draw different tokens (`DecodeBatch`). A request whose context starts a sequence
-verified into the caller's `prefixes` takes that KV, and the distribution of its first new token,
-from the verification pass.
+verified into the caller's `prefixes` takes that KV and its first token's distribution from there.
 Every token is sampled with a counter-based uniform of (request seed, position), so drafts,
 batching and cached prefixes change how much is computed, never which tokens come out.
 """
@@ -89,7 +88,7 @@ class Decoder:
         emissions, tally = Emissions(), DecodeTally()
         while True:
             started, captured = time.perf_counter(), self.counts.decode_capture_seconds
-            drafts = self._drafts(batch, results, indices)
+            drafts = self._drafts(batch, results, indices, forward is not self.forward)
             fed, proposed, cols = batch.feed(drafts, self.pad_token_id)  # per row
             positions = batch.row_positions()[:, None] + cols
             logits = forward("decode", fed, batch.attention, positions, batch.cache)
@@ -122,14 +121,13 @@ class Decoder:
                 batch.advance(accepted, cols, out)
             if drafter is not None:
                 # the whole iteration, drafting's host work included; not a CUDA graph's capture,
-                # paid once per shape: fitted into every forward's costs, the first reuse steps'
-                # captures set the draft width near 0 (on an H200 at 268M, 55 decode forwards in
-                # the step after them, 8-16 in later ones; on the CPU with 50 ms captures, 49-58
-                # a reuse step against 14-31)
+                # paid once per shape (fitted in, the first reuse steps' captures set the draft
+                # width near 0: 55 decode forwards in the next step on an H200 at 268M, not 8-16)
                 captures = self.counts.decode_capture_seconds - captured
                 seconds = time.perf_counter() - started - captures
                 n_proposed = [len(d) for d in drafts]
-                drafter.observe(n_proposed, out.accepted, fed_rows, fed_tokens, seconds)
+                span = None if forward is self.forward else self.static.span
+                drafter.observe(n_proposed, out.accepted, fed_rows, fed_tokens, seconds, span)
                 accepted_per_sequence += sum(out.accepted) / len(out.accepted)
             if done:
                 emissions.write(results)
@@ -191,15 +189,17 @@ class Decoder:
         return requests
 
     def _drafts(
-        self, batch: DecodeBatch, results: list[GenResult], indices: list[int]
+        self, batch: DecodeBatch, results: list[GenResult], indices: list[int], static: bool
     ) -> list[list[int]]:
         """Draft tokens per sequence, cut after an end-of-sequence token and to the width the
-        controller chooses; none for a sequence whose first token is drawn from a residual."""
+        controller chooses (`static`: for the columns the arena's next plain forward attends);
+        none for a sequence whose first token is drawn from a residual."""
         drafter = self.drafter
         if drafter is None:
             return [[] for _ in range(len(batch))]
-        if not drafter.worthwhile(batch.rows):
-            drafter.choose([])
+        span = self.static.columns(batch.cache, batch.attention.shape[1] + 1) if static else None
+        if not drafter.worthwhile(batch.rows, span):
+            drafter.choose([], span)
             return [[] for _ in range(len(batch))]
         drafts, cap = [], drafter.max_tokens  # no forward verifies more than K
         for request, room, reject in zip(
@@ -212,7 +212,7 @@ class Decoder:
                 stop = next((j for j, t in enumerate(draft) if t in self.eos_token_ids), None)
                 draft = draft[:most] if stop is None else draft[: stop + 1]
             drafts.append(draft)
-        k = drafter.choose([len(d) for d in drafts])
+        k = drafter.choose([len(d) for d in drafts], span)
         return [d[:k] for d in drafts]
 
     def _sample(

@@ -14,20 +14,25 @@ grow in powers). A forward feeds the live rows padded to the next power of two, 
 dropped), each row its token and, with a drafter, its K draft tokens, the fed width padded to a
 width bucket (the padding columns attend as the last real one does; their outputs are dropped). It
 writes its new KV columns in place (every row writes the same columns: contexts are left-padded,
-and a rejected draft's column stays, masked out) and attends through a 4-D mask over all the
-arena's columns, causal among the fed ones. Columns not written in this call are masked; the
-buffers start zeroed and hold only KV computed since, so what a masked column holds is finite and
-weighs exactly 0. Finished rows leave as in the eager cache (the last live rows move into their
+and a rejected draft's column stays, masked out) and attends through a 4-D mask over the arena's
+first columns up to the last it writes, in a power of two (at least `COLUMN_BUCKET`), causal among
+the fed ones: a forward early in a call reads as little KV as the eager loop's, where attending
+all the arena's made every forward pay for its largest call. Columns not written in this call are
+masked; the buffers start zeroed and hold only KV computed since, so what a masked column holds
+is finite and weighs exactly 0. Finished rows leave as in the eager cache (the last live rows move into their
 places); when rejected drafts have left the columns sparse, every row's attended columns move to
 the right end (`StaticKV.compact`), as in the eager cache, within the same buffers. A call with
 drafts gets room for that: twice its widest context and budget, plus a spare fed width (the decode
 loop compacts before the columns are twice what its longest row attends to).
 
-On CUDA the forward of each (batch bucket, width bucket) is captured after two warm-up runs on a
-side stream (the runs write the same KV the step writes), on that stream, with Python's cyclic
-collector paused (it may free a dead arena's graphs, which CUDA forbids during a capture) and
-without `torch.cuda.graph`'s device synchronize and emptied allocator cache, and replayed for
-every later forward of that shape, in this call and in later calls.
+On CUDA the forward of each (batch bucket, width bucket, column bucket) is captured after two
+warm-up runs on a side stream (the runs write the same KV the step writes), on that stream, with
+Python's cyclic collector paused (it may free a dead arena's graphs, which CUDA forbids during a
+capture) and without `torch.cuda.graph`'s device synchronize and emptied allocator cache, writing
+its logits into the arena's one output buffer, and replayed for every later forward of that
+shape. The engine captures them all as it is built (`capture_all`, for the run's largest call, as
+vLLM captures its batch sizes as it starts): a step captures a graph only when a call outgrows
+that arena.
 
 The tokens are the eager loop's: the same uniforms and logits over the same attended columns,
 the masked ones adding exact zeros (float sums over a wider row may round differently in the last
@@ -63,6 +68,15 @@ def bucket(rows: int) -> int:
     return 1 << max(rows - 1, 0).bit_length()
 
 
+def arena_columns(needed: int, width: int) -> int:
+    """The columns of an arena for calls whose contexts and new tokens are `needed` columns, fed
+    `width` at a time: with drafts (width > 1), twice that and a spare fed width, as rejected
+    drafts' columns stay until the loop compacts them; in a power of two."""
+    if width > 1:
+        needed = 2 * needed + 32 + width
+    return max(bucket(needed), COLUMN_BUCKET)
+
+
 def graph_pool(device: torch.device):
     """The memory pool an arena's CUDA graphs share; None where forwards are not captured."""
     return torch.cuda.graph_pool_handle() if device.type == "cuda" else None
@@ -96,9 +110,12 @@ class Arena:
         self.bias = first.new_zeros(rows, 1, width, columns)
         self.fed = torch.zeros(width, dtype=torch.long, device=self.device)  # the fed columns
         self.steps = torch.arange(max(width, columns), device=self.device)  # 0, 1, 2, ...
+        self.span = columns  # the columns the forward being run attends (`_ArenaLayer`)
         self.cache = StaticKV(self)
-        # (rows, fed width) → the captured graph and its logits
-        self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        # (rows, fed width, attended columns) → the captured graph and its logits, views of
+        # `out`: every graph writes its logits there, so a graph holds no memory once captured
+        self.graphs: dict[tuple[int, int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.out: torch.Tensor | None = None  # [rows, width, V], made by the first capture
 
     def fits(self, like: list[torch.Tensor], rows: int, columns: int, width: int) -> bool:
         """Whether it holds KV like `like` for `rows` rows, `columns` columns and `width` fed
@@ -123,32 +140,53 @@ class Arena:
         at most the arena's width."""
         return min(bucket(width), self.width)
 
-    def uncaptured(self, rows: int, width: int) -> bool:
-        """Whether a forward of this shape needs its graph captured first (CUDA only)."""
-        return self.pool is not None and (rows, width) not in self.graphs
+    def columns_bucket(self, columns: int) -> int:
+        """The columns a forward that writes up to column `columns` attends: the power of two at
+        or above it, at least `COLUMN_BUCKET`, at most the arena's."""
+        return min(max(bucket(columns), COLUMN_BUCKET), self.columns)
 
-    def logits(self, model: PreTrainedModel, rows: int, width: int) -> torch.Tensor:
-        """The forward of the first `rows` rows and `width` fed columns of the static inputs:
-        logits [rows, width, V] (on CUDA its captured graph's output, valid until its next
-        replay)."""
+    def shapes(self) -> list[tuple[int, int, int]]:
+        """Every (rows, fed width, attended columns) bucket a forward in this arena can take."""
+        rows = [1 << b for b in range(self.rows_bucket(1).bit_length() - 1, self.rows.bit_length())]
+        widths = sorted({self.width_bucket(w) for w in range(1, self.width + 1)})
+        columns = sorted(
+            {self.columns_bucket(c) for c in (1 << b for b in range(self.columns.bit_length()))}
+        )
+        return [(r, w, c) for r in rows for w in widths for c in columns]
+
+    def uncaptured(self, shape: tuple[int, int, int]) -> bool:
+        """Whether a forward of this shape needs its graph captured first (CUDA only)."""
+        return self.pool is not None and shape not in self.graphs
+
+    def logits(self, model: PreTrainedModel, shape: tuple[int, int, int]) -> torch.Tensor:
+        """The forward of the first rows and fed columns of the static inputs, attending their
+        first columns, as `shape` counts them: logits [rows, width, V] (on CUDA its captured
+        graph's output, valid until the next replay)."""
         if self.pool is None:
-            return self._run(model, rows, width)
-        graph, logits = self.graphs[rows, width]
+            return self._run(model, shape)
+        graph, logits = self.graphs[shape]
         graph.replay()
         return logits
 
-    def _run(self, model: PreTrainedModel, rows: int, width: int) -> torch.Tensor:
+    def _run(self, model: PreTrainedModel, shape: tuple[int, int, int]) -> torch.Tensor:
+        rows, width, self.span = shape
         with planless_attention():
             return model(
                 input_ids=self.ids[:rows, :width],
-                attention_mask=self.bias[:rows, :, :width],
+                attention_mask=self.bias[:rows, :, :width, : self.span],
                 position_ids=self.positions[:rows, :width],
                 past_key_values=self.cache,
                 use_cache=True,
             ).logits
 
-    def capture(self, model: PreTrainedModel, rows: int, width: int) -> None:
-        """Capture the graph of the forward of `rows` rows and `width` fed columns."""
+    def output(self, shape: tuple[int, int, int], like: torch.Tensor) -> torch.Tensor:
+        """Where the graph of `shape` writes its logits (`like`: a run's): a view of `out`."""
+        if self.out is None:
+            self.out = like.new_empty(self.rows, self.width, like.shape[-1])
+        return self.out[: shape[0], : shape[1]]
+
+    def capture(self, model: PreTrainedModel, shape: tuple[int, int, int]) -> None:
+        """Capture the graph of the forward of `shape` (rows, fed width, attended columns)."""
         stream = torch.cuda.Stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
         graph = torch.cuda.CUDAGraph()
@@ -159,21 +197,23 @@ class Arena:
         try:
             with torch.cuda.stream(stream):
                 for _ in range(2):  # warm-up: kernels chosen, workspaces allocated
-                    self._run(model, rows, width)
+                    out = self.output(shape, self._run(model, shape))
                 # not `torch.cuda.graph`, which first synchronizes the device and empties the
                 # allocator's cache: its entry took 30 of a capture's 43 ms on an H200 (the wait
                 # for the warm-ups included), and the allocations after it were cudaMallocs
                 # again (benchmarks/gpu-h200-hf-captures-680f630)
                 graph.capture_begin(pool=self.pool)
                 try:
-                    logits = self._run(model, rows, width)
+                    # into `out`: the forward's own memory goes back to the pool for the next
+                    # capture (a graph's replay needs it only while it runs)
+                    out.copy_(self._run(model, shape))
                 finally:
                     graph.capture_end()
         finally:
             if collecting:
                 gc.enable()
         torch.cuda.current_stream(self.device).wait_stream(stream)
-        self.graphs[rows, width] = graph, logits
+        self.graphs[shape] = graph, out
 
 
 class StaticKV(DecodeCache):
@@ -228,7 +268,8 @@ class _ArenaLayer(DynamicLayer):
         self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs
     ) -> tuple[torch.Tensor, torch.Tensor]:
         rows, fed = key_states.shape[0], self.arena.fed[: key_states.shape[2]]
-        keys, values = self.keys[:rows], self.values[:rows]
+        span = self.arena.span
+        keys, values = self.keys[:rows, :, :span], self.values[:rows, :, :span]
         keys.index_copy_(2, fed, key_states)
         values.index_copy_(2, fed, value_states)
         return keys, values
@@ -243,6 +284,42 @@ class StaticDecode:
         self.pad_token_id = pad_token_id
         self.counts = counts
         self.arena: Arena | None = None  # one, grown to the largest call: memory stays bounded
+        self.span = 0  # the columns the last forward attended
+
+    @staticmethod
+    def columns(cache: StaticKV, written: int) -> int:
+        """The columns a forward that writes up to column `written` of `cache` attends."""
+        return cache.arena.columns_bucket(written)
+
+    @torch.inference_mode()
+    def capture_all(
+        self, rows: int, context: int, max_new_tokens: int, width: int
+    ) -> tuple[int, float]:
+        """Where forwards are graphs (CUDA), before the first call: the arena of calls of up to
+        `rows` rows, `context` context tokens and `max_new_tokens` new ones, fed up to `width`
+        columns at a time, and the graph of every batch and width bucket its forwards can take,
+        captured now, as vLLM captures its batch sizes as it starts. A run's steps then capture
+        none unless a call outgrows these sizes (captured as met, 12-14 in the first reuse step
+        of a trie arm on an H200, 0.3-0.7 s: benchmarks/gpu-h200-hf-captures-315af38). → graphs
+        captured and their seconds; (0, 0.0) where forwards are not captured."""
+        device = next(self.model.parameters()).device
+        if graph_pool(device) is None:
+            return 0, 0.0
+        started = time.perf_counter()
+        cache = DynamicCache()  # a one-token forward: the layers' KV shapes and dtype
+        self.model(
+            input_ids=torch.full((1, 1), self.pad_token_id, device=device),
+            past_key_values=cache,
+            use_cache=True,
+        )
+        columns = arena_columns(context + max_new_tokens, width)
+        arena = self.arena = Arena(layers_kv(cache), bucket(rows), columns, width)
+        # the captures' own runs: every fed column its own, every column attended (finite KV
+        # where a later call's mask weighs it 0)
+        torch.add(arena.steps[: arena.width], 0, out=arena.fed)
+        for shape in arena.shapes():
+            arena.capture(self.model, shape)
+        return len(arena.graphs), time.perf_counter() - started
 
     def adopt(
         self, cache: DecodeCache, attention: torch.Tensor, max_new_tokens: int, width: int = 1
@@ -251,10 +328,7 @@ class StaticDecode:
         `max_new_tokens` more tokens fed `width` columns at a time (1: plain decoding)."""
         kv = layers_kv(cache)
         rows, context = attention.shape
-        needed = context + max_new_tokens
-        if width > 1:  # rejected drafts' columns stay until the loop compacts them
-            needed = 2 * needed + 32 + width
-        columns = max(bucket(needed), COLUMN_BUCKET)  # a new arena captures every graph again
+        columns = arena_columns(context + max_new_tokens, width)  # a new arena: graphs again
         arena = self.arena
         if arena is None or not arena.fits(kv, bucket(rows), columns, width):
             size = (bucket(rows), columns, width)
@@ -286,6 +360,8 @@ class StaticDecode:
         live, fed = ids.shape
         context = attention.shape[1] - fed  # the first fed column
         rows, width = arena.rows_bucket(live), arena.width_bucket(fed)
+        self.span = arena.columns_bucket(context + width)
+        shape = rows, width, self.span
         padded, idle = fed < width, live < rows  # (an op on an empty slice is still a launch)
         arena.ids[:live, :fed] = ids
         arena.positions[:live, :fed] = positions
@@ -295,7 +371,7 @@ class StaticDecode:
         if idle:
             arena.ids[live:rows, :width] = self.pad_token_id
             arena.positions[live:rows, :width] = 0
-        bias = arena.bias[:rows, 0, :width]  # [rows, width, columns]
+        bias = arena.bias[:rows, 0, :width, : shape[2]]  # [rows, width, attended columns]
         bias.fill_(torch.finfo(bias.dtype).min)
         steps = arena.steps
         causal = steps[None, : attention.shape[1]] <= context + steps[:fed, None]
@@ -306,11 +382,11 @@ class StaticDecode:
         if idle:  # idle rows attend to one column: no row is all masked
             bias[live:, :, 0] = 0.0
         torch.add(steps[: arena.width], context, out=arena.fed)
-        if arena.uncaptured(rows, width):
+        if arena.uncaptured(shape):
             capture_started = time.perf_counter()
-            arena.capture(self.model, rows, width)
+            arena.capture(self.model, shape)
             self.counts.add_capture(time.perf_counter() - capture_started)
-        logits = arena.logits(self.model, rows, width)[:live, :fed]
+        logits = arena.logits(self.model, shape)[:live, :fed]
         if logits.is_cuda:
             torch.cuda.synchronize(logits.device)
         self.counts.add_seconds(kind, time.perf_counter() - started)

@@ -19,7 +19,7 @@ from specrl.config import SpecConfig
 from specrl.engines import RolloutEngine, SamplingParams
 from specrl.errors import UserError
 from specrl.speculative.acceptance import AcceptanceRule
-from specrl.speculative.drafting import DraftWidth
+from specrl.speculative.draft_width import DraftWidth
 from specrl.speculative.prompt_state import PromptState
 from specrl.speculative.reuse.base import Reuse
 from specrl.speculative.reuse.budget import DraftBudget, TrieBudget

@@ -101,7 +101,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from specrl.engines.accounting import ForwardCounts
-from specrl.speculative.drafting import DraftWidth
+from specrl.speculative.draft_width import DraftWidth
 from specrl.speculative.reuse.walkers import DRIFT_BUCKETS, expected_walkers
 from specrl.speculative.tree import ROOT, PromptTree
 
