@@ -382,13 +382,17 @@ def test_a_forward_attends_the_columns_written_so_far_in_a_power_of_two():
     assert decode == sorted(decode) and set(decode) == {COLUMN_BUCKET, 128}
 
 
-def test_graphs_captured_before_the_first_call_serve_every_later_forward(emulated_graphs):
+@pytest.mark.parametrize("device", ["cpu", CUDA])
+def test_graphs_captured_before_the_first_call_serve_every_later_forward(device, monkeypatch):
     """`capture_all`, run as the engine is built: the arena of the run's largest call and a graph
     of every shape its forwards can take (rows, fed width, attended columns), not counted as a
     step's. A speculative stage's steps (history tries walked, tree drafts in the tails) then
-    capture none and decode in that arena, sampling the eager engine's tokens."""
+    capture none and decode in that arena, sampling the eager engine's tokens. On the CPU the
+    graphs are emulated."""
+    if device == "cpu":
+        emulate_graphs(monkeypatch.setattr)
     prompts = [Prompt((2, 3, 4 + i % 7, 5 + i % 3), Example(f"p{i}", "", "t")) for i in range(6)]
-    eager, static = engines(init=0.5)
+    eager, static = engines(init=0.5, device=device)
     captured, seconds = static.static.capture_all(24, 4 + 12, 12, 9)
     arena = static.static.arena
     shapes = {(r, w, c) for r in (16, 32) for w in (1, 2, 4, 8, 9) for c in (64, 128)}
