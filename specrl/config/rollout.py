@@ -193,10 +193,11 @@ class RolloutConfig(Section):
     static_decode: bool = Field(
         False,
         description="hf: decode forwards (drafts included) over a preallocated KV cache at "
-        "bucketed batch sizes and fed widths, on CUDA replayed as CUDA graphs (the same tokens; "
-        "2-4x faster plain forwards on an H200, but trie reuse steps there were 0.86-0.99x "
-        "vanilla's, spent capturing a graph per new shape; eager, 2.8x: "
-        "benchmarks/gpu-h200-hf-captures-680f630)",
+        "bucketed batch sizes, fed widths and attended columns, on CUDA replayed as CUDA graphs, "
+        "all captured as the engine is built (the same tokens; 2-4x faster plain forwards on an "
+        "H200, where trie reuse steps were 0.86-0.99x vanilla's when graphs were captured in the "
+        "steps, eager 2.8x: benchmarks/gpu-h200-hf-captures-680f630; since b236319 not yet "
+        "measured on a GPU)",
     )
     spec: SpecConfig = Field(default_factory=SpecConfig)
     multi_turn: MultiTurnConfig = Field(default_factory=MultiTurnConfig)
