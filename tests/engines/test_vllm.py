@@ -603,7 +603,11 @@ def test_episodes_on_vllm_equal_episodes_on_the_transformers_engine(
     loop = EpisodeLoop(EnvironmentFactory(Echo, "echo", 5.0), tokenizer, 4, 24)
     prompts = [Prompt(tuple(ids), Example(str(ids), "", "test")) for ids in PROMPTS]
     expected, _ = loop.run(prompts, 1, sampled_turns(hf, GREEDY, ("g",), 0), 0)
-    spec = SpecConfig(verify_mode=verify_mode, reuse=reuse, tree=TreeConfig(enabled=False))
+    # every stored turn and trie verified: the budgets decide from timings, and under load in CI
+    # one skipped turn 1's drafts (reused 0 of 36 tokens)
+    spec = SpecConfig(
+        verify_mode=verify_mode, reuse=reuse, verify_budget=False, tree=TreeConfig(enabled=False)
+    )
     stage = EpisodeStage(SpeculativeStage(engine, GREEDY, 24, spec), loop)
     for call in (1, 2):
         got, stats = stage(prompts, 1, ("s", call), call)

@@ -297,8 +297,8 @@ class StaticDecode:
     ) -> tuple[int, float]:
         """Where forwards are graphs (CUDA), before the first call: the arena of calls of up to
         `rows` rows, `context` context tokens and `max_new_tokens` new ones, fed up to `width`
-        columns at a time, and the graph of every batch and width bucket its forwards can take,
-        captured now, as vLLM captures its batch sizes as it starts. A run's steps then capture
+        columns at a time, and the graph of every batch, width and column bucket its forwards
+        can take (`Arena.shapes`), captured now, as vLLM captures its batch sizes as it starts. A run's steps then capture
         none unless a call outgrows these sizes (captured as met, 12-14 in the first reuse step
         of a trie arm on an H200, 0.3-0.7 s: benchmarks/gpu-h200-hf-captures-315af38). → graphs
         captured and their seconds; (0, 0.0) where forwards are not captured."""
