@@ -53,8 +53,9 @@ class DraftWidth:
     per column bucket), the engine gives that `span` with each forward and choice, and the costs
     are fitted per span, the fit of every forward standing in until a span's own forwards
     separate its costs: pooled, the draft forwards of reuse steps, which attend longer contexts,
-    took the columns' cost for the drafts' and set the width near 0 (CPU, graphs emulated, in 2
-    of 3 runs). `cost()` without a span is the pooled fit (the verification budgets').
+    took the columns' cost for the drafts' (CPU, graphs emulated: the width near 0 for three
+    reuse steps of one run of three, 0.3-1.4 in another). `cost()` without a span is the pooled
+    fit (the verification budgets').
     """
 
     refit_every = 8

@@ -126,7 +126,7 @@ class Decoder:
                 captures = self.counts.decode_capture_seconds - captured
                 seconds = time.perf_counter() - started - captures
                 n_proposed = [len(d) for d in drafts]
-                span = None if forward is self.forward else self.static.span
+                span = None if forward is self.forward else self.static.arena.span
                 drafter.observe(n_proposed, out.accepted, fed_rows, fed_tokens, seconds, span)
                 accepted_per_sequence += sum(out.accepted) / len(out.accepted)
             if done:

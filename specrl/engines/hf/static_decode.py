@@ -19,11 +19,12 @@ first columns up to the last it writes, in a power of two (at least `COLUMN_BUCK
 the fed ones: a forward early in a call reads as little KV as the eager loop's, where attending
 all the arena's made every forward pay for its largest call. Columns not written in this call are
 masked; the buffers start zeroed and hold only KV computed since, so what a masked column holds
-is finite and weighs exactly 0. Finished rows leave as in the eager cache (the last live rows move into their
-places); when rejected drafts have left the columns sparse, every row's attended columns move to
-the right end (`StaticKV.compact`), as in the eager cache, within the same buffers. A call with
-drafts gets room for that: twice its widest context and budget, plus a spare fed width (the decode
-loop compacts before the columns are twice what its longest row attends to).
+is finite and weighs exactly 0. Finished rows leave as in the eager cache (the last live rows
+move into their places); when rejected drafts have left the columns sparse, every row's attended
+columns move to the right end (`StaticKV.compact`), as in the eager cache, within the same
+buffers. A call with drafts gets room for that: twice its widest context and budget, plus a spare
+fed width (the decode loop compacts before the columns are twice what its longest row attends
+to).
 
 On CUDA the forward of each (batch bucket, width bucket, column bucket) is captured after two
 warm-up runs on a side stream (the runs write the same KV the step writes), on that stream, with
@@ -110,7 +111,7 @@ class Arena:
         self.bias = first.new_zeros(rows, 1, width, columns)
         self.fed = torch.zeros(width, dtype=torch.long, device=self.device)  # the fed columns
         self.steps = torch.arange(max(width, columns), device=self.device)  # 0, 1, 2, ...
-        self.span = columns  # the columns the forward being run attends (`_ArenaLayer`)
+        self.span = columns  # the columns the last forward attended (`_ArenaLayer` slices them)
         self.cache = StaticKV(self)
         # (rows, fed width, attended columns) → the captured graph and its logits, views of
         # `out`: every graph writes its logits there, so a graph holds no memory once captured
@@ -164,6 +165,7 @@ class Arena:
         graph's output, valid until the next replay)."""
         if self.pool is None:
             return self._run(model, shape)
+        self.span = shape[2]
         graph, logits = self.graphs[shape]
         graph.replay()
         return logits
@@ -284,7 +286,6 @@ class StaticDecode:
         self.pad_token_id = pad_token_id
         self.counts = counts
         self.arena: Arena | None = None  # one, grown to the largest call: memory stays bounded
-        self.span = 0  # the columns the last forward attended
 
     @staticmethod
     def columns(cache: StaticKV, written: int) -> int:
@@ -298,10 +299,11 @@ class StaticDecode:
         """Where forwards are graphs (CUDA), before the first call: the arena of calls of up to
         `rows` rows, `context` context tokens and `max_new_tokens` new ones, fed up to `width`
         columns at a time, and the graph of every batch, width and column bucket its forwards
-        can take (`Arena.shapes`), captured now, as vLLM captures its batch sizes as it starts. A run's steps then capture
-        none unless a call outgrows these sizes (captured as met, 12-14 in the first reuse step
-        of a trie arm on an H200, 0.3-0.7 s: benchmarks/gpu-h200-hf-captures-315af38). → graphs
-        captured and their seconds; (0, 0.0) where forwards are not captured."""
+        can take (`Arena.shapes`), captured now, as vLLM captures its batch sizes as it starts.
+        A run's steps then capture none unless a call outgrows these sizes (captured as met,
+        12-14 in the first reuse step of a trie arm on an H200, 0.3-0.7 s:
+        benchmarks/gpu-h200-hf-captures-315af38). → graphs captured and their seconds; (0, 0.0)
+        where forwards are not captured."""
         device = next(self.model.parameters()).device
         if graph_pool(device) is None:
             return 0, 0.0
@@ -360,8 +362,7 @@ class StaticDecode:
         live, fed = ids.shape
         context = attention.shape[1] - fed  # the first fed column
         rows, width = arena.rows_bucket(live), arena.width_bucket(fed)
-        self.span = arena.columns_bucket(context + width)
-        shape = rows, width, self.span
+        shape = rows, width, arena.columns_bucket(context + width)
         padded, idle = fed < width, live < rows  # (an op on an empty slice is still a launch)
         arena.ids[:live, :fed] = ids
         arena.positions[:live, :fed] = positions
